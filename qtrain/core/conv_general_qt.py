@@ -1,0 +1,180 @@
+"""``conv_general_qt``: a quantized-training convolution as a ``jax.custom_vjp``.
+
+Forward: the input (``lhs``) and kernel (``rhs``) are quantized per their
+:class:`~qtrain.core.config.OperandQuant` — the input with one scale per
+batch element (``channelwise``) or per tensor, the kernel with one scale per
+output feature — and the convolution runs on the quantized values
+(int8 x int8 -> int32 or fp8 x fp8 -> f32, exact), scales applied after.
+Strides, padding, dilations, feature groups, batch groups and any layout
+(NHWC, NCHW, ...) are supported.
+
+Backward: the residuals are kept quantized (int8/fp8 + scales). The input and
+kernel gradients are the convolution's transposes applied to the
+dequantized residuals, with the incoming gradient fake-quantized per
+``dlhs_grad`` / ``drhs_grad`` (stochastic rounding included): the numbers of
+a quantized backward, computed in float32 (a transposed convolution's
+contraction does not factor per-channel scales the way a matmul's does).
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from qtrain.core import config, conv_general_qt
+  >>> cfg = config.ConvGeneralQtConfig(lhs=config.OperandQuant(qtype="int8"),
+  ...                                  rhs=config.OperandQuant(qtype="int8"))
+  >>> x = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+  >>> w = jax.random.normal(jax.random.key(1), (3, 3, 3, 4))
+  >>> y = conv_general_qt.conv_general_qt(x, w, (1, 1), "SAME", config=cfg,
+  ...     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  >>> y.shape
+  (2, 8, 8, 4)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from qtrain.core import config as cfg_lib
+from qtrain.core import dot_general_qt as dqt
+from qtrain.core import qarray as qa
+from qtrain.core import qdot
+
+
+def _conv(lhs, rhs, p, preferred_element_type):
+  return jax.lax.conv_general_dilated(
+      lhs, rhs, p["window_strides"], p["padding"], lhs_dilation=p["lhs_dilation"],
+      rhs_dilation=p["rhs_dilation"], dimension_numbers=p["dn"],
+      feature_group_count=p["feature_group_count"], batch_group_count=p["batch_group_count"],
+      precision=p["precision"], preferred_element_type=preferred_element_type)
+
+
+def _quantized_conv(lq, rq, p, out_dtype):
+  """Conv over QArray/float operands, exact low-precision arithmetic where both are quantized."""
+  lhs_spec, rhs_spec, out_spec = p["dn"]
+  both = qdot.is_quantized(lq) and qdot.is_quantized(rq)
+  if both and lq.qtype.is_float == rq.qtype.is_float and lq.zero_point is None and rq.zero_point is None:
+    acc_dtype = jnp.float32 if lq.qtype.is_float else jnp.int32
+    acc = _conv(lq.qvalue, rq.qvalue, dict(p, precision=None), acc_dtype).astype(jnp.float32)
+    nd = acc.ndim
+    def to_out(s, axis_in, axis_out):
+      v = s.reshape(-1)  # varies along axis_in only (or is one value)
+      shape = [1] * nd
+      shape[axis_out] = v.shape[0]
+      return v.reshape(shape)
+    # lhs scale varies (at most) along the batch axis, rhs along the output-feature axis.
+    ls = to_out(lq.scale, lhs_spec[0], out_spec[0])
+    rs = to_out(rq.scale, rhs_spec[0], out_spec[1])
+    return (acc * ls * rs).astype(out_dtype)
+  lf = lq.dequantize(jnp.float32) if qdot.is_quantized(lq) else lq
+  rf = rq.dequantize(jnp.float32) if qdot.is_quantized(rq) else rq
+  return _conv(lf, rf, p, jnp.float32).astype(out_dtype)
+
+
+def _forward(lhs, rhs, lhs_scale, rhs_scale, p, config, out_dtype):
+  lhs_spec, rhs_spec, _ = p["dn"]
+  # Per-batch-element input scales only when batch elements map to themselves.
+  lhs_channels = (lhs_spec[0],) if p["batch_group_count"] == 1 else ()
+  lres = dqt.quantize_operand(lhs, config.lhs, lhs_scale, lhs_channels, None, "lhs")
+  rres = dqt.quantize_operand(rhs, config.rhs, rhs_scale, (rhs_spec[0],), None, "rhs")
+  return _quantized_conv(lres.value, rres.value, p, out_dtype), (lres, rres)
+
+
+def _fake_grad(g, gq, key, channel_axes):
+  if gq is None:
+    return g.astype(jnp.float32)
+  return dqt.quantize_grad(g, gq, channel_axes, key).dequantize(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _conv_qt(lhs, rhs, lhs_scale, rhs_scale, kd, p, config, out_dtype, meta):
+  return _forward(lhs, rhs, lhs_scale, rhs_scale, p, config, out_dtype)[0]
+
+
+def _fwd(lhs, rhs, lhs_scale, rhs_scale, kd, p, config, out_dtype, meta):
+  out, res = _forward(lhs, rhs, lhs_scale, rhs_scale, p, config, out_dtype)
+  return out, (*res, kd)
+
+
+def _bwd(p, config, out_dtype, meta, res, g):
+  lres, rres, kd = res
+  ldtype, rdtype = meta
+  _, _, out_spec = p["dn"]
+  k_l, k_r = dqt.split_key(kd, 2)
+  lf = lres.value.dequantize(jnp.float32) if qdot.is_quantized(lres.value) else lres.value.astype(jnp.float32)
+  rf = rres.value.dequantize(jnp.float32) if qdot.is_quantized(rres.value) else rres.value.astype(jnp.float32)
+  # dlhs: per-batch-element gradient scales; drhs: per-output-feature.
+  g_l = _fake_grad(g, config.dlhs_grad, k_l, (out_spec[0],))
+  g_r = _fake_grad(g, config.drhs_grad, k_r, (out_spec[1],))
+  _, vjp_l = jax.vjp(lambda a: _conv(a, rf, dict(p, precision=None), jnp.float32), lf)
+  _, vjp_r = jax.vjp(lambda b: _conv(lf, b, dict(p, precision=None), jnp.float32), rf)
+  (lhs_bar,), (rhs_bar,) = vjp_l(g_l), vjp_r(g_r)
+  lhs_bar, ls_bar = dqt.finish_operand_grad(lhs_bar, lres, config.lhs, ldtype)
+  rhs_bar, rs_bar = dqt.finish_operand_grad(rhs_bar, rres, config.rhs, rdtype)
+  return lhs_bar, rhs_bar, ls_bar, rs_bar, None
+
+
+_conv_qt.defvjp(_fwd, _bwd)
+
+
+def _hashable_padding(padding):
+  if isinstance(padding, str):
+    return padding
+  return tuple(tuple(int(v) for v in pair) for pair in padding)
+
+
+def conv_general_qt(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    window_strides: Sequence[int],
+    padding,
+    lhs_dilation: Sequence[int] | None = None,
+    rhs_dilation: Sequence[int] | None = None,
+    dimension_numbers=None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    config: cfg_lib.ConvGeneralQtConfig,
+    key: jax.Array | None = None,
+    lhs_scale: jax.Array | None = None,
+    rhs_scale: jax.Array | None = None,
+) -> jax.Array:
+  """Quantized-training ``jax.lax.conv_general_dilated`` (same positional args).
+
+  Args:
+    lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+      dimension_numbers, feature_group_count, batch_group_count, precision,
+      preferred_element_type: as for :func:`jax.lax.conv_general_dilated`.
+    config: a :class:`~qtrain.core.config.ConvGeneralQtConfig`.
+    key: PRNG key for stochastic rounding of gradients.
+    lhs_scale, rhs_scale: optional static or learned scales.
+  """
+  if not isinstance(config, cfg_lib.ConvGeneralQtConfig):
+    raise ValueError(f"config must be a ConvGeneralQtConfig, got {type(config).__name__}")
+  if config.needs_key and key is None:
+    raise ValueError("config asks for stochastic_rounding in dlhs_grad/drhs_grad: pass key=")
+  nsp = jnp.ndim(lhs) - 2
+  dn = jax.lax.conv_dimension_numbers(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
+  p = dict(
+      window_strides=tuple(window_strides), padding=_hashable_padding(padding),
+      lhs_dilation=tuple(lhs_dilation) if lhs_dilation else (1,) * nsp,
+      rhs_dilation=tuple(rhs_dilation) if rhs_dilation else (1,) * nsp,
+      dn=dn, feature_group_count=int(feature_group_count), batch_group_count=int(batch_group_count),
+      precision=precision)
+  out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None
+                        else jnp.result_type(lhs, rhs))
+  return _conv_qt(lhs, rhs, lhs_scale, rhs_scale, dqt.key_data(key), _Static(p), config, out_dtype,
+                  (jnp.result_type(lhs), jnp.result_type(rhs)))
+
+
+class _Static(dict):
+  """A hashable dict of the conv's static parameters (for nondiff_argnums)."""
+
+  def __hash__(self):
+    return hash(tuple(sorted((k, repr(v)) for k, v in self.items())))
+
+  def __eq__(self, other):
+    return isinstance(other, _Static) and hash(self) == hash(other)

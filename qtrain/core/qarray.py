@@ -1,0 +1,334 @@
+"""QArray: quantized values + scale (+ zero point), and how to make one.
+
+``quantize(x, how)`` = calibrate (compute a scale, and a zero point for the
+asymmetric ``minmax`` method) then round ``x / scale`` into the qtype.
+``dequantize(q)`` gives back ``(q.qvalue - zero_point) * scale``.
+
+Scale shapes: ``scale`` has the same rank as the array. Along each axis its
+size is the full size for a *channelwise* axis (one scale per index), the
+number of tiles for a *tiled* axis (group-wise scales along the contracting
+axis, ``size // tile_size``), and 1 for an axis reduced over.
+
+NaN and Inf are propagated visibly, never turned into plausible numbers: any
+non-finite input makes the scale of its group NaN, so every dequantized value
+of that group (and every product computed from it) is NaN.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from qtrain.core import qarray
+  >>> x = jax.random.normal(jax.random.key(0), (4, 64))
+  >>> how = qarray.QuantizeSpec(qtype="int8", channelwise_axes=(0,), tiled_axes={1: 32})
+  >>> q = qarray.quantize(x, how)
+  >>> q.qvalue.dtype, q.scale.shape
+  (dtype('int8'), (4, 2))
+  >>> bool(jnp.max(jnp.abs(qarray.dequantize(q) - x)) < 0.02)
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qtrain.core import qtypes
+from qtrain.core import rounding
+
+CalibrationMethod = Literal["absmax", "absmean", "rms", "minmax", "fixed", "percentile"]
+CALIBRATION_METHODS: tuple[str, ...] = ("absmax", "absmean", "rms", "minmax", "fixed", "percentile")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Calibration:
+  """How a scale is computed from the values it covers.
+
+  Attributes:
+    method: ``absmax`` (bound = max|x|), ``absmean`` (bound = mean|x|; for
+      ``binary`` this is the L2-optimal scale), ``rms`` (bound =
+      sqrt(mean x^2)), ``minmax`` (asymmetric: the range [min(x, 0), max(x, 0)]
+      maps onto [qmin, qmax] with an integer zero point), ``fixed`` (bound =
+      ``bound``, no data dependence), ``percentile`` (bound = the
+      ``percentile``-th percentile of |x|).
+    multiplier: multiplies the bound (e.g. ``rms`` with 3.0).
+    bound: the fixed bound, only for ``fixed``.
+    percentile: in (0, 100], only for ``percentile``.
+
+  The scale is ``bound * multiplier / qmax``; values beyond the bound clip.
+  """
+
+  method: CalibrationMethod = "absmax"
+  multiplier: float = 1.0
+  bound: float | None = None
+  percentile: float | None = None
+
+  def __post_init__(self):
+    if self.method not in CALIBRATION_METHODS:
+      raise ValueError(
+          f"Unknown calibration method={self.method!r}; valid: {list(CALIBRATION_METHODS)}")
+    if not (np.isfinite(self.multiplier) and self.multiplier > 0):
+      raise ValueError(f"multiplier={self.multiplier} must be a finite number > 0")
+    if self.method == "fixed":
+      if self.bound is None or not (np.isfinite(self.bound) and self.bound > 0):
+        raise ValueError(f"method='fixed' needs bound > 0 (finite), got bound={self.bound}")
+    elif self.bound is not None:
+      raise ValueError(f"bound={self.bound} is only used with method='fixed', not {self.method!r}")
+    if self.method == "percentile":
+      if self.percentile is None or not 0 < self.percentile <= 100:
+        raise ValueError(
+            f"method='percentile' needs percentile in (0, 100], got percentile={self.percentile}")
+    elif self.percentile is not None:
+      raise ValueError(
+          f"percentile={self.percentile} is only used with method='percentile', not {self.method!r}")
+
+  @property
+  def is_static(self) -> bool:
+    return self.method == "fixed"
+
+  @property
+  def is_asymmetric(self) -> bool:
+    return self.method == "minmax"
+
+
+def as_calibration(c: "Calibration | str") -> Calibration:
+  """Accepts a :class:`Calibration` or a method name (``"absmax"``, ``"rms"``...)."""
+  if isinstance(c, Calibration):
+    return c
+  if isinstance(c, str):
+    return Calibration(method=c)
+  raise ValueError(f"calibration={c!r} must be a Calibration or one of {list(CALIBRATION_METHODS)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantizeSpec:
+  """How to quantize one array: qtype, scale granularity, calibration, rounding.
+
+  Attributes:
+    qtype: a qtype name or dtype (see :mod:`qtrain.core.qtypes`).
+    channelwise_axes: axes with one scale per index.
+    tiled_axes: ``{axis: tile_size}``: group-wise scales along ``axis``, one per
+      ``tile_size`` consecutive values (the size must divide the axis).
+    calibration: a :class:`Calibration` or a method name.
+    stochastic_rounding: ``None`` (round to nearest even), ``"uniform"`` or
+      ``"low_bit_uniform"`` (see :mod:`qtrain.core.rounding`); needs a key.
+  """
+
+  qtype: object
+  channelwise_axes: tuple[int, ...] = ()
+  tiled_axes: Mapping[int, int] = dataclasses.field(default_factory=dict)
+  calibration: Calibration | str = "absmax"
+  stochastic_rounding: str | None = None
+
+  def __post_init__(self):
+    qt = qtypes.get_qtype(self.qtype)
+    object.__setattr__(self, "qtype", qt)
+    object.__setattr__(self, "calibration", as_calibration(self.calibration))
+    object.__setattr__(self, "channelwise_axes", tuple(self.channelwise_axes))
+    object.__setattr__(self, "tiled_axes", dict(self.tiled_axes))
+    both = set(self.channelwise_axes) & set(self.tiled_axes)
+    if both:
+      raise ValueError(f"axes {sorted(both)} are both channelwise_axes and tiled_axes")
+    for ax, t in self.tiled_axes.items():
+      if not isinstance(t, (int, np.integer)) or t <= 0:
+        raise ValueError(f"tile size {t!r} for axis {ax} must be a positive int")
+    if self.stochastic_rounding not in (None,) + rounding.STOCHASTIC_METHODS:
+      raise ValueError(
+          f"stochastic_rounding={self.stochastic_rounding!r}; valid: "
+          f"{[None, *rounding.STOCHASTIC_METHODS]}")
+    cal = self.calibration
+    if cal.is_asymmetric and qt.kind != "int":
+      raise ValueError(
+          f"calibration 'minmax' (asymmetric, zero point) needs an integer qtype, got {qt.name!r}")
+
+  def __hash__(self):
+    return hash((self.qtype, self.channelwise_axes, tuple(sorted(self.tiled_axes.items())),
+                 self.calibration, self.stochastic_rounding))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QArray:
+  """A quantized array.
+
+  Attributes:
+    qvalue: quantized values in the qtype's compute dtype (int8 for integer,
+      binary and ternary qtypes, the fp8 dtype for float qtypes); the shape of
+      the original array (sub-byte values are NOT packed here: see
+      :mod:`qtrain.core.packing`).
+    scale: float32, same rank as ``qvalue`` (see the module docstring).
+    zero_point: ``None``, or float32 integral values shaped like ``scale``
+      (asymmetric quantization: ``x ~ (qvalue - zero_point) * scale``).
+    qtype: the :class:`~qtrain.core.qtypes.QType` (static pytree metadata).
+  """
+
+  qvalue: jax.Array
+  scale: jax.Array
+  zero_point: jax.Array | None
+  qtype: qtypes.QType = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.qvalue.shape
+
+  @property
+  def ndim(self) -> int:
+    return self.qvalue.ndim
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    return dequantize(self, dtype)
+
+
+def _normalize_axes(spec: QuantizeSpec, shape: tuple[int, ...]):
+  nd = len(shape)
+  for ax in (*spec.channelwise_axes, *spec.tiled_axes):
+    if not -nd <= ax < nd:
+      raise ValueError(f"axis {ax} is out of range for an array of shape {shape}")
+  cw = tuple(sorted(a % nd for a in spec.channelwise_axes))
+  tiles = {a % nd: t for a, t in spec.tiled_axes.items()}
+  for a, t in tiles.items():
+    if shape[a] % t:
+      divisors = [d for d in (32, 64, 128, 256) if shape[a] % d == 0]
+      raise ValueError(
+          f"tile_size={t} does not divide axis {a} of size {shape[a]} (shape {shape}); "
+          f"use a divisor of {shape[a]}" + (f", e.g. {divisors}" if divisors else ""))
+  return cw, tiles
+
+
+def _group_reduce(x: jax.Array, cw, tiles, fn) -> jax.Array:
+  """Reduces ``x`` to the scale shape with ``fn(x, axis=..., keepdims=True)``."""
+  shape = x.shape
+  split_shape, red_axes, pos = [], [], 0
+  for a, n in enumerate(shape):
+    if a in tiles:
+      split_shape += [n // tiles[a], tiles[a]]
+      red_axes.append(pos + 1)
+      pos += 2
+    else:
+      split_shape.append(n)
+      if a not in cw:
+        red_axes.append(pos)
+      pos += 1
+  r = fn(x.reshape(split_shape), axis=tuple(red_axes), keepdims=True)
+  return r.reshape(scale_shape(shape, cw, tiles))
+
+
+def scale_shape(shape, cw, tiles) -> tuple[int, ...]:
+  return tuple(
+      n // tiles[a] if a in tiles else (n if a in cw else 1) for a, n in enumerate(shape))
+
+
+def expand_scale(s: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Repeats a (possibly tiled) scale so it broadcasts against ``shape``."""
+  for a, (ns, n) in enumerate(zip(s.shape, shape)):
+    if ns not in (1, n):
+      s = jnp.repeat(s, n // ns, axis=a)
+  return s
+
+
+def _groups_of(scale_shape_: tuple[int, ...], shape: tuple[int, ...]):
+  """Recovers (channelwise axes, tiles) from a scale shape."""
+  cw = tuple(a for a, (ns, n) in enumerate(zip(scale_shape_, shape)) if ns == n and n != 1)
+  tiles = {a: n // ns for a, (ns, n) in enumerate(zip(scale_shape_, shape)) if ns not in (1, n)}
+  return cw, tiles
+
+
+def nonfinite_to_nan(scale: jax.Array, x: jax.Array) -> jax.Array:
+  """Sets the scale of every group of ``x`` holding a NaN/Inf to NaN."""
+  cw, tiles = _groups_of(scale.shape, x.shape)
+  finite = _group_reduce(jnp.isfinite(x), cw, tiles, jnp.all)
+  return jnp.where(finite, scale, jnp.nan)
+
+
+def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | None]:
+  """Returns ``(scale, zero_point)`` for ``x`` (zero_point None if symmetric)."""
+  qt: qtypes.QType = spec.qtype  # type: ignore[assignment]
+  cal: Calibration = spec.calibration  # type: ignore[assignment]
+  cw, tiles = _normalize_axes(spec, x.shape)
+  xf = x.astype(jnp.float32)
+  if cal.method == "minmax":
+    lo = jnp.minimum(_group_reduce(xf, cw, tiles, jnp.min), 0.0) * cal.multiplier
+    hi = jnp.maximum(_group_reduce(xf, cw, tiles, jnp.max), 0.0) * cal.multiplier
+    span = hi - lo
+    scale = _finite_or_nan(jnp.where(span == 0, 1.0, span / (qt.qmax - qt.qmin)))
+    zero_point = jnp.clip(qt.qmin - jnp.round(lo / scale), qt.qmin, qt.qmax)
+    return scale, zero_point
+  ax = jnp.abs(xf)
+  if cal.method == "absmax":
+    bound = _group_reduce(ax, cw, tiles, jnp.max)
+  elif cal.method == "absmean":
+    bound = _group_reduce(ax, cw, tiles, jnp.mean)
+  elif cal.method == "rms":
+    bound = jnp.sqrt(_group_reduce(xf * xf, cw, tiles, jnp.mean))
+  elif cal.method == "percentile":
+    p = cal.percentile
+    bound = _group_reduce(ax, cw, tiles, lambda v, axis, keepdims: jnp.percentile(
+        v, p, axis=axis, keepdims=keepdims))
+  else:  # fixed
+    bound = jnp.full(scale_shape(x.shape, cw, tiles), cal.bound, jnp.float32)
+  bound = bound * cal.multiplier
+  # bound == 0 (all zeros): scale 1 gives exact zeros back. NaN/Inf bounds -> NaN.
+  return _finite_or_nan(jnp.where(bound == 0, 1.0, bound / qt.qmax)), None
+
+
+def _finite_or_nan(scale: jax.Array) -> jax.Array:
+  return jnp.where(jnp.isfinite(scale), scale, jnp.nan)
+
+
+def quantize_with_scale(
+    x: jax.Array,
+    qtype,
+    scale: jax.Array,
+    zero_point: jax.Array | None = None,
+    *,
+    stochastic_rounding: str | None = None,
+    key: jax.Array | None = None,
+    check_finite: bool = True,
+) -> QArray:
+  """Quantizes ``x`` with a given (e.g. static or learned) scale.
+
+  With ``check_finite`` (the default), non-finite values of ``x`` make their
+  whole scale group NaN, so they show as NaN after dequantization instead of
+  as clipped, plausible numbers. ``quantize`` turns it off for calibrations
+  whose scale already propagates NaN/Inf (absmax, absmean, rms, minmax).
+  """
+  qt = qtypes.get_qtype(qtype)
+  xf = x.astype(jnp.float32)
+  scale = scale.astype(jnp.float32)
+  if scale.ndim != x.ndim:
+    raise ValueError(f"scale of shape {scale.shape} must have the rank of x {x.shape}")
+  if check_finite:
+    scale = nonfinite_to_nan(scale, x)
+  y = xf / expand_scale(scale, x.shape)
+  if zero_point is not None:
+    y = y + expand_scale(zero_point, x.shape)
+  if stochastic_rounding is not None:
+    if key is None:
+      raise ValueError(f"stochastic_rounding={stochastic_rounding!r} needs a PRNG key, got key=None")
+    qv = rounding.stochastic_round(y, qt, key, method=stochastic_rounding)
+  else:
+    qv = rounding.round_nearest(y, qt)
+  return QArray(qvalue=qv, scale=scale, zero_point=zero_point, qtype=qt)
+
+
+def quantize(x: jax.Array, spec: QuantizeSpec, *, key: jax.Array | None = None) -> QArray:
+  """Calibrates and quantizes ``x`` per ``spec`` (see :class:`QuantizeSpec`)."""
+  scale, zp = calibrate(x, spec)
+  method = spec.calibration.method  # type: ignore[union-attr]
+  return quantize_with_scale(
+      x, spec.qtype, scale, zp, stochastic_rounding=spec.stochastic_rounding, key=key,
+      check_finite=method in ("fixed", "percentile"))
+
+
+def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
+  """``(qvalue - zero_point) * scale`` in ``dtype``."""
+  v = q.qvalue.astype(jnp.float32)
+  if q.zero_point is not None:
+    v = v - expand_scale(q.zero_point, q.shape)
+  return (v * expand_scale(q.scale, q.shape)).astype(dtype)
+
+
+def fake_quantize(x: jax.Array, spec: QuantizeSpec, *, key=None) -> jax.Array:
+  """``dequantize(quantize(x))`` in ``x.dtype`` (no gradient handling)."""
+  return dequantize(quantize(x, spec, key=key), x.dtype)

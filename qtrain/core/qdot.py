@@ -1,0 +1,209 @@
+"""The XLA reference for dots over quantized operands.
+
+``dot_general_quantized_xla(lhs, rhs, dimension_numbers, ...)`` takes each
+operand as a :class:`~qtrain.core.qarray.QArray` or a float array and
+computes with real low-precision arithmetic where it can:
+
+* integer-like x integer-like (int8/int4/int2/ternary/binary, unpacked to
+  int8): ``int8 x int8 -> int32``, scales applied after; exact.
+* fp8 x fp8: ``fp8 x fp8 -> float32``, scales applied after.
+* group-wise (tiled) scales along a contracting axis: the axis is split into
+  (groups, tile), groups become a batch axis of the dot, each group's partial
+  sum is scaled, then the groups are summed.
+* zero points (asymmetric): ``(Ql - Zl)(Qr - Zr)`` is expanded into int8 dots
+  of the codes and of the zero points (each exact in int32).
+* one side quantized, the other float: the quantized side is dequantized into
+  the float side's dtype (the Pallas W{1,2,4,8}A16 kernels do this fused).
+
+Where scales cannot be factored out of the contraction (a scale that varies
+along a contracting axis per element, or two tiled contracting axes) both
+sides are dequantized and the dot runs in float32: the same numbers as the
+quantized math, without the speed.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from qtrain.core import qarray, qdot
+  >>> x = jax.random.normal(jax.random.key(0), (8, 64))
+  >>> w = jax.random.normal(jax.random.key(1), (64, 16))
+  >>> xq = qarray.quantize(x, qarray.QuantizeSpec(qtype="int8", channelwise_axes=(0,)))
+  >>> wq = qarray.quantize(w, qarray.QuantizeSpec(qtype="int8", channelwise_axes=(1,)))
+  >>> out = qdot.dot_general_quantized_xla(xq, wq, (((1,), (0,)), ((), ())),
+  ...                                      preferred_element_type=jnp.float32)
+  >>> out.shape
+  (8, 16)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from qtrain.core import qarray as qa
+
+DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def normalize_dimension_numbers(dimension_numbers, lhs_ndim: int, rhs_ndim: int) -> DimensionNumbers:
+  """Tuples of non-negative ints; validates ranges."""
+  try:
+    (lc, rc), (lb, rb) = dimension_numbers
+  except (TypeError, ValueError):
+    raise ValueError(
+        f"dimension_numbers={dimension_numbers!r} must be ((lhs_contract, rhs_contract), "
+        "(lhs_batch, rhs_batch))") from None
+  def norm(axes, nd, what):
+    out = []
+    for a in axes:
+      if not -nd <= a < nd:
+        raise ValueError(f"{what} axis {a} out of range for rank {nd}")
+      out.append(int(a) % nd)
+    return tuple(out)
+  lc, lb = norm(lc, lhs_ndim, "lhs"), norm(lb, lhs_ndim, "lhs")
+  rc, rb = norm(rc, rhs_ndim, "rhs"), norm(rb, rhs_ndim, "rhs")
+  if len(lc) != len(rc) or len(lb) != len(rb):
+    raise ValueError(f"dimension_numbers={dimension_numbers!r}: lhs/rhs axis counts differ")
+  return ((lc, rc), (lb, rb))
+
+
+def free_axes(ndim: int, contract, batch) -> tuple[int, ...]:
+  return tuple(a for a in range(ndim) if a not in contract and a not in batch)
+
+
+def is_quantized(x) -> bool:
+  return isinstance(x, qa.QArray)
+
+
+def _dequant_like(x, dtype):
+  return x.dequantize(dtype) if is_quantized(x) else x
+
+
+def _float_dot(lhs, rhs, dn, out_dtype, precision=None):
+  if is_quantized(lhs) and not is_quantized(rhs):
+    lhs = lhs.dequantize(rhs.dtype)
+  elif is_quantized(rhs) and not is_quantized(lhs):
+    rhs = rhs.dequantize(lhs.dtype)
+  else:
+    lhs, rhs = _dequant_like(lhs, jnp.float32), _dequant_like(rhs, jnp.float32)
+  out = jax.lax.dot_general(lhs, rhs, dn, precision=precision, preferred_element_type=jnp.float32)
+  return out.astype(out_dtype)
+
+
+def _scale_plan(lhs: qa.QArray, rhs: qa.QArray, dn: DimensionNumbers):
+  """Returns the tiled contracting pair (i, j, groups), None, or "float"."""
+  (lc, rc), (lb, rb) = dn
+  ls, rs = lhs.scale.shape, rhs.scale.shape
+  tiled = []
+  for i, j in zip(lc, rc):
+    n = lhs.shape[i]
+    si, sj = ls[i], rs[j]
+    if (si == n and n > 1) or (sj == rhs.shape[j] and rhs.shape[j] > 1):
+      return "float"  # per-element scale along a contracting axis
+    if si == 1 and sj == 1:
+      continue
+    if si != 1 and sj != 1 and si != sj:
+      return "float"
+    tiled.append((i, j, max(si, sj)))
+  if len(tiled) > 1:
+    return "float"
+  for a, n in enumerate(lhs.shape):
+    if a not in lc and ls[a] not in (1, n):
+      return "float"
+  for a, n in enumerate(rhs.shape):
+    if a not in rc and rs[a] not in (1, n):
+      return "float"
+  return tiled[0] if tiled else None
+
+
+def _split_axis(x: jax.Array, axis: int, groups: int) -> jax.Array:
+  """(.., n, ..) -> (groups, .., n // groups, ..): the group axis moved first."""
+  shape = x.shape
+  x = x.reshape(shape[:axis] + (groups, shape[axis] // groups) + shape[axis + 1:])
+  return jnp.moveaxis(x, axis, 0)
+
+
+def _out_scale(s, batch, contract, free_self, n_free_other, *, self_is_lhs, grouped):
+  """Arranges an operand's scale in the dot's output layout.
+
+  The output of ``dot_general`` is ``(batch..., lhs free..., rhs free...)``,
+  with a leading group axis when ``grouped`` (axis 0 of ``s`` then).
+  Contracting axes of ``s`` have size 1 here and are dropped.
+  """
+  lead = (0,) if grouped else ()
+  t = jnp.transpose(s, lead + tuple(batch) + tuple(free_self) + tuple(contract))
+  nb = len(lead) + len(batch)
+  t = t.reshape(t.shape[:nb + len(free_self)])
+  if self_is_lhs:
+    return t.reshape(t.shape + (1,) * n_free_other)
+  return t.reshape(t.shape[:nb] + (1,) * n_free_other + t.shape[nb:])
+
+
+def _int_terms(lhs: qa.QArray, rhs: qa.QArray):
+  """(sign, lhs_int8, rhs_int8) terms of (Ql - Zl)(Qr - Zr)."""
+  def codes(q):
+    out = [(1, q.qvalue)]
+    if q.zero_point is not None:
+      out.append((-1, qa.expand_scale(q.zero_point, q.shape).astype(q.qvalue.dtype) *
+                  jnp.ones(q.shape, q.qvalue.dtype)))
+    return out
+  return [(sl * sr, a, b) for sl, a in codes(lhs) for sr, b in codes(rhs)]
+
+
+def dot_general_quantized_xla(
+    lhs, rhs, dimension_numbers, *, preferred_element_type, precision=None
+) -> jax.Array:
+  """Dot over QArray/float operands with real low-precision arithmetic.
+
+  Args:
+    lhs, rhs: :class:`~qtrain.core.qarray.QArray` or float arrays.
+    dimension_numbers: as for :func:`jax.lax.dot_general`.
+    preferred_element_type: the (float) output dtype.
+    precision: passed to float dots.
+
+  Returns:
+    The product in ``preferred_element_type``.
+  """
+  out_dtype = jnp.dtype(preferred_element_type)
+  dn = normalize_dimension_numbers(dimension_numbers, lhs.ndim, rhs.ndim)
+  if not (is_quantized(lhs) and is_quantized(rhs)):
+    return _float_dot(lhs, rhs, dn, out_dtype, precision)
+  if lhs.qtype.is_float != rhs.qtype.is_float:
+    return _float_dot(lhs, rhs, dn, out_dtype, precision)
+  plan = _scale_plan(lhs, rhs, dn)
+  if plan == "float":
+    return _float_dot(lhs, rhs, dn, out_dtype, precision)
+  (lc, rc), (lb, rb) = dn
+  lfree, rfree = free_axes(lhs.ndim, lc, lb), free_axes(rhs.ndim, rc, rb)
+  acc_dtype = jnp.float32 if lhs.qtype.is_float else jnp.int32
+  ls, rs = lhs.scale, rhs.scale
+  terms = _int_terms(lhs, rhs)
+  grouped = plan is not None
+  if grouped:
+    i, j, g = plan
+    # The group axis goes first; every old axis a moves to a + 1 (the split
+    # axis itself becomes the tile axis at i + 1, still contracted).
+    terms = [(sg, _split_axis(a, i, g), _split_axis(b, j, g)) for sg, a, b in terms]
+    ls = _group_scale(ls, i, g)
+    rs = _group_scale(rs, j, g)
+    up = lambda axes: tuple(a + 1 for a in axes)
+    dn2 = ((up(lc), up(rc)), ((0,) + up(lb), (0,) + up(rb)))
+    ls_o = _out_scale(ls, up(lb), up(lc), up(lfree), len(rfree), self_is_lhs=True, grouped=True)
+    rs_o = _out_scale(rs, up(rb), up(rc), up(rfree), len(lfree), self_is_lhs=False, grouped=True)
+  else:
+    dn2 = dn
+    ls_o = _out_scale(ls, lb, lc, lfree, len(rfree), self_is_lhs=True, grouped=False)
+    rs_o = _out_scale(rs, rb, rc, rfree, len(lfree), self_is_lhs=False, grouped=False)
+  acc = None
+  for sg, a, b in terms:
+    t = jax.lax.dot_general(a, b, dn2, preferred_element_type=acc_dtype)
+    acc = t if acc is None else (acc + t if sg > 0 else acc - t)
+  out = acc.astype(jnp.float32) * ls_o * rs_o
+  if grouped:
+    out = jnp.sum(out, axis=0)
+  return out.astype(out_dtype)
+
+
+def _group_scale(s: jax.Array, axis: int, groups: int) -> jax.Array:
+  """Scale with 1 or ``groups`` entries along ``axis`` -> a leading group axis
+  (size ``groups`` or 1) and size 1 at ``axis + 1`` (the tile axis)."""
+  s = jnp.expand_dims(s, axis + 1)  # (.., g_or_1, 1, ..)
+  return jnp.moveaxis(s, axis, 0)

@@ -1,0 +1,347 @@
+"""The generic dequantize-in-the-loop matmul that the public kernels specialise.
+
+``out[m, n] = epilogue(sum_k a[m, k] * w[n, k])`` with ``a`` (M, K) and ``w``
+(N, K), both K-contiguous (Hopper's 8-bit wgmma wants K-contiguous operands).
+The grid is (M / block_m, N / block_n, split_k); each program loops over its
+share of K tiles, decodes one weight *plane* at a time (see
+:mod:`qtrain.pallas._common` for the plane layout) and feeds a tensor-core dot
+(int8 x int8 -> int32, or float x float -> float32). Group-wise weight scales
+(and zero points) are applied to the per-group partial sums, per-channel
+weight scales and per-row activation scales in the epilogue. With
+``split_k > 1`` the kernel writes raw partial sums and the (tiny) epilogue
+runs in XLA after the sum over splits.
+
+:mod:`binary_matmul`, :mod:`nbit_matmul` and :mod:`int8_matmul` hold the
+public configs, wrappers and references.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from qtrain.pallas import _common
+
+WFormat = Literal["packed", "dense"]
+AFormat = Literal["float", "int8", "binary"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockConfig:
+  """Tiling of one kernel launch.
+
+  Attributes:
+    block_m: rows of the activation per program (power of two, >= 16).
+    block_n: output channels per program (power of two, >= 16).
+    split_k: number of programs that share one output tile along K (their
+      partial sums are added by XLA); > 1 fills the GPU at small M.
+    num_warps: Triton warps per program.
+    num_stages: Triton software-pipelining depth of the K loop.
+  """
+
+  block_m: int = 16
+  block_n: int = 64
+  split_k: int = 1
+  num_warps: int = 4
+  num_stages: int = 3
+
+  def __post_init__(self):
+    for name in ("block_m", "block_n"):
+      v = getattr(self, name)
+      if not _common.is_pow2(v) or v < 16:
+        raise ValueError(f"{name}={v} must be a power of two >= 16")
+    if self.split_k < 1:
+      raise ValueError(f"split_k={self.split_k} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelSpec:
+  """Static description of the operands (internal).
+
+  Attributes:
+    w_format: "packed" (int32 words in the plane layout) or "dense" (int8).
+    w_bits: bits per weight value (1 for binary, 2, 4 or 8).
+    w_binary: weights are binary (+-1) codes.
+    a_format: "float" (bf16/f16/f32), "int8", or "binary" (int32 words in
+      the plane layout, same plane_words as the weights).
+    plane_k: K values per plane (= words per plane for packed weights).
+    planes: planes per K tile (32 // w_bits for packed weights).
+    group_planes: planes per scale group, or None (per-channel scales).
+    has_zero: group zero points are present.
+  """
+
+  w_format: WFormat
+  w_bits: int
+  w_binary: bool
+  a_format: AFormat
+  plane_k: int
+  planes: int
+  group_planes: int | None = None
+  has_zero: bool = False
+
+  @property
+  def block_k(self) -> int:
+    return self.plane_k * self.planes
+
+  @property
+  def acc_dtype(self):
+    return jnp.float32 if (self.a_format == "float" or self.group_planes) else jnp.int32
+
+  @property
+  def dot_dtype(self):
+    return jnp.float32 if self.a_format == "float" else jnp.int32
+
+  @property
+  def bits_trick(self) -> bool:
+    """Binary weights decoded as {0, 1} bits; the epilogue does 2*acc - rowsum(a)."""
+    return self.w_binary and self.a_format != "float"
+
+
+def _decode_weight_plane(w_tile, w_ref, k0, s: int, spec: KernelSpec, a_dtype):
+  """One (block_n, plane_k) plane of decoded weights."""
+  if spec.w_format == "dense":
+    w = w_ref[:, pl.ds(k0, spec.plane_k)]
+    return w if spec.a_format != "float" else w.astype(a_dtype)
+  if spec.w_binary:
+    if spec.a_format == "float":
+      return _common.decode_binary_to_float(w_tile, s, a_dtype)
+    return _common.decode_binary_to_bits_int8(w_tile, s)
+  if spec.a_format == "float":
+    return _common.decode_int_to_float(w_tile, s, spec.w_bits, a_dtype)
+  return _common.decode_int_to_int8(w_tile, s, spec.w_bits)
+
+
+def qmatmul_kernel(*refs, spec: KernelSpec, num_tiles: int, split_k: int,
+                   has_w_scale: bool, has_a_scale: bool, final: bool):
+  """Kernel body. Refs, in order: a, w, [w_scale (1,bn)], [g_scale (G,bn)],
+  [g_zero (G,bn)], [a_scale (bm,1)], [rowsum (bm,1)], out."""
+  it = iter(refs)
+  a_ref, w_ref = next(it), next(it)
+  ws_ref = next(it) if has_w_scale else None
+  gs_ref = next(it) if spec.group_planes else None
+  gz_ref = next(it) if spec.has_zero else None
+  as_ref = next(it) if has_a_scale else None
+  rs_ref = next(it) if (spec.bits_trick and final) else None
+  o_ref = next(it)
+  bm, bn = a_ref.shape[0], w_ref.shape[0]
+  pk, block_k = spec.plane_k, spec.block_k
+  a_dtype = a_ref.dtype
+
+  tiles_per_split = _common.cdiv(num_tiles, split_k)
+  t0 = pl.program_id(2) * tiles_per_split
+  t1 = jnp.minimum(t0 + tiles_per_split, num_tiles)
+  dims = (((1,), (1,)), ((), ()))
+
+  def body(t, acc):
+    w_tile = a_tile = None
+    if spec.w_format == "packed":
+      w_tile = w_ref[:, pl.ds(t * pk, pk)]
+      if spec.w_binary and spec.a_format == "float":
+        w_tile = ~w_tile
+    if spec.a_format == "binary":
+      a_tile = a_ref[:, pl.ds(t * pk, pk)]
+    gacc = zacc = None
+    for s in range(spec.planes):
+      k0 = t * block_k + s * pk
+      if spec.a_format == "binary":
+        a = _common.decode_binary_to_pm1_int8(a_tile, s)
+      else:
+        a = a_ref[:, pl.ds(k0, pk)]
+      w = _decode_weight_plane(w_tile, w_ref, k0, s, spec, a_dtype)
+      d = lax.dot_general(a, w, dims, preferred_element_type=spec.dot_dtype)
+      if not spec.group_planes:
+        acc = acc + d
+        continue
+      gacc = d if gacc is None else gacc + d
+      if spec.has_zero:
+        rs = jnp.sum(a.astype(spec.dot_dtype), axis=1)
+        zacc = rs if zacc is None else zacc + rs
+      if (s + 1) % spec.group_planes == 0:
+        gi = t * (spec.planes // spec.group_planes) + s // spec.group_planes
+        part = gacc.astype(jnp.float32)
+        if spec.has_zero:
+          part = part - zacc.astype(jnp.float32)[:, None] * gz_ref[pl.ds(gi, 1), :]
+        acc = acc + part * gs_ref[pl.ds(gi, 1), :]
+        gacc = zacc = None
+    return acc
+
+  acc = lax.fori_loop(t0, t1, body, jnp.zeros((bm, bn), spec.acc_dtype))
+  if not final:
+    o_ref[...] = acc
+    return
+  if spec.bits_trick:
+    acc = 2 * acc - rs_ref[...]
+  out = acc.astype(jnp.float32)
+  if has_a_scale:
+    out = out * as_ref[...]
+  if has_w_scale:
+    out = out * ws_ref[...]
+  o_ref[...] = out.astype(o_ref.dtype)
+
+
+def epilogue_reference(acc, *, rowsum=None, a_scale=None, w_scale=None, out_dtype):
+  """The kernel's epilogue in jnp (same operation order); also used after split-K."""
+  if rowsum is not None:
+    acc = 2 * acc - rowsum
+  out = acc.astype(jnp.float32)
+  if a_scale is not None:
+    out = out * a_scale
+  if w_scale is not None:
+    out = out * w_scale
+  return out.astype(out_dtype)
+
+
+def qmatmul(a: jax.Array, w: jax.Array, *, spec: KernelSpec, k: int,
+            w_scale: jax.Array | None, g_scale: jax.Array | None,
+            g_zero: jax.Array | None, a_scale: jax.Array | None,
+            rowsum: jax.Array | None, out_dtype, config: BlockConfig,
+            interpret: bool, name: str) -> jax.Array:
+  """Runs the generic kernel on prepared operands.
+
+  Args:
+    a: activations (M, Ka): float/int8 with Ka >= K (padded with zeros to the
+      weights' padded K here), or binary plane-layout words.
+    w: weights (Np, Kw): plane-layout int32 words or dense int8, Np padded.
+    spec: operand description.
+    k: the true contracting size.
+    w_scale: (1, Np) float32 per-channel scale or None.
+    g_scale: (G, Np) float32 group scales or None; g_zero likewise.
+    a_scale: (M, 1) float32 per-row activation scale or None.
+    rowsum: (M, 1) row sums of ``a`` over the true K (needed when
+      ``spec.bits_trick``), int32 for int8/binary activations.
+    out_dtype: output dtype.
+    config: tiling.
+    interpret: run the Pallas interpreter (CPU tests).
+    name: kernel name for profiles.
+
+  Returns:
+    (M, Np) array of ``out_dtype``.
+  """
+  m = a.shape[0]
+  n_pad, kw = w.shape
+  bm, bn = config.block_m, config.block_n
+  if n_pad % bn:
+    raise ValueError(f"{n_pad=} (padded N) must be a multiple of block_n={bn}")
+  block_k = spec.block_k
+  kp = kw if spec.w_format == "dense" else kw // spec.plane_k * block_k
+  num_tiles = kp // block_k
+  if kp % block_k or kp < k:
+    raise ValueError(f"padded K {kp} does not fit {k=} and block_k={block_k}")
+  m_pad = _common.round_up(max(m, 1), bm)
+  a_cols = kw if spec.a_format == "binary" else kp
+  if a.shape[1] > a_cols:
+    raise ValueError(f"activation K {a.shape[1]} exceeds the weights' padded K {a_cols}")
+  if (m_pad, a_cols) != a.shape:
+    a = jnp.pad(a, ((0, m_pad - m), (0, a_cols - a.shape[1])))
+
+  def rows(x):
+    return x if x.shape[0] == m_pad else jnp.pad(x, ((0, m_pad - x.shape[0]), (0, 0)))
+
+  grid = (m_pad // bm, n_pad // bn, config.split_k)
+  final = config.split_k == 1
+  in_specs = [pl.BlockSpec((bm, a_cols), lambda i, j, s: (i, 0)),
+              pl.BlockSpec((bn, kw), lambda i, j, s: (j, 0))]
+  args = [a, w]
+  if w_scale is not None and final:
+    in_specs.append(pl.BlockSpec((1, bn), lambda i, j, s: (0, j)))
+    args.append(w_scale)
+  for g in (g_scale, g_zero):
+    if g is not None:
+      in_specs.append(pl.BlockSpec((g.shape[0], bn), lambda i, j, s: (0, j)))
+      args.append(g)
+  if a_scale is not None and final:
+    in_specs.append(pl.BlockSpec((bm, 1), lambda i, j, s: (i, 0)))
+    args.append(rows(a_scale))
+  if spec.bits_trick and final:
+    in_specs.append(pl.BlockSpec((bm, 1), lambda i, j, s: (i, 0)))
+    args.append(rows(rowsum.astype(spec.acc_dtype)))
+  if final:
+    out_shape = jax.ShapeDtypeStruct((m_pad, n_pad), out_dtype)
+    out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
+  else:
+    gn = n_pad // bn
+    out_shape = jax.ShapeDtypeStruct((m_pad, config.split_k * n_pad), spec.acc_dtype)
+    out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, s * gn + j))
+  kernel = functools.partial(
+      qmatmul_kernel, spec=spec, num_tiles=num_tiles, split_k=config.split_k,
+      has_w_scale=w_scale is not None and final,
+      has_a_scale=a_scale is not None and final, final=final)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_spec,
+        compiler_params=_common.triton_params(
+            num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name=name,
+    )(*args)
+  if not final:
+    acc = out.reshape(m_pad, config.split_k, n_pad).sum(axis=1)
+    out = epilogue_reference(
+        acc, rowsum=rows(rowsum.astype(acc.dtype)) if spec.bits_trick else None,
+        a_scale=None if a_scale is None else rows(a_scale),
+        w_scale=w_scale, out_dtype=out_dtype)
+  return out[:m]
+
+
+# ---------------------------------------------------------------------------
+# Block-config selection shared by the public kernels.
+# ---------------------------------------------------------------------------
+
+M_BUCKETS = (16, 64, 512, 4096)
+
+
+def m_bucket(m: int) -> int:
+  """The measured-table bucket of M: the smallest of M_BUCKETS >= m (else the largest)."""
+  for b in M_BUCKETS:
+    if m <= b:
+      return b
+  return M_BUCKETS[-1]
+
+
+def heuristic_config(m: int, n_pad: int, num_tiles: int, *, sms: int = 132) -> BlockConfig:
+  """A reasonable config when the measured table has no entry.
+
+  Small M: block_m = 16/32/64 and enough split-K to put ~2 programs on each
+  of the GPU's ``sms`` multiprocessors (weights stream from HBM). Large M:
+  128 x 128 tiles.
+  """
+  if m <= 64:
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    bn = 64 if n_pad % 64 == 0 else 16
+    split = 1
+    programs = _common.cdiv(m, bm) * (n_pad // bn)
+    while programs * split < 2 * sms and split * 4 <= num_tiles:
+      split *= 2
+    return BlockConfig(block_m=bm, block_n=bn, split_k=split, num_warps=4, num_stages=4)
+  bn = 128 if n_pad % 128 == 0 else 16
+  return BlockConfig(block_m=128, block_n=bn, split_k=1, num_warps=8, num_stages=3)
+
+
+def select_config(table: dict, key: tuple, m: int, n_pad: int, num_tiles: int) -> BlockConfig:
+  """Measured config for ``key + (m_bucket(m),)`` if present and valid, else the heuristic."""
+  cfg = table.get(key + (m_bucket(m),))
+  if cfg is not None and n_pad % cfg.block_n == 0:
+    return cfg
+  return heuristic_config(m, n_pad, num_tiles)
+
+
+def as_row_scale(scale, m: int) -> jax.Array | None:
+  """Per-row (M,), (M, 1) or scalar activation scale as float32 (M, 1); None stays None."""
+  if scale is None:
+    return None
+  s = jnp.asarray(scale, jnp.float32).reshape(-1)
+  if s.shape[0] not in (1, m):
+    raise ValueError(f"activation scale has {s.shape[0]} entries; expected 1 or {m=}")
+  return jnp.broadcast_to(s, (m,))[:, None]
