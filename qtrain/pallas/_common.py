@@ -126,20 +126,32 @@ def from_plane_layout(words: jax.Array, qtype, *, size: int, plane_words: int) -
 # ---------------------------------------------------------------------------
 
 
-def _codes(words: jax.Array, s: int, bits: int) -> jax.Array:
-  """Unsigned codes of slot ``s`` as int32 in [0, 2**bits)."""
-  shifted = lax.shift_right_logical(words, jnp.int32(s * bits)) if s else words
+def _shift(s, bits: int = 1):
+  """``s * bits`` as an int32 shift amount (``s`` a Python int or an int32 array)."""
+  return jnp.int32(s * bits) if isinstance(s, int) else (s * bits).astype(jnp.int32)
+
+
+def _codes(words: jax.Array, s, bits: int) -> jax.Array:
+  """Unsigned codes of slot ``s`` as int32 in [0, 2**bits).
+
+  ``s`` is a Python int, or an int32 array broadcast against ``words`` (the
+  flat large-M path decodes several slots at once).
+  """
+  shifted = words if isinstance(s, int) and s == 0 else lax.shift_right_logical(words, _shift(s, bits))
   return shifted & jnp.int32((1 << bits) - 1)
 
 
-def decode_int_to_int8(words: jax.Array, s: int, bits: int) -> jax.Array:
+def decode_int_to_int8(words: jax.Array, s, bits: int) -> jax.Array:
   """Slot ``s`` of two's-complement ``bits``-wide codes, sign-extended, as int8."""
-  up = 32 - bits * (s + 1)
-  x = (words << jnp.int32(up)) if up else words
+  if isinstance(s, int):
+    up = 32 - bits * (s + 1)
+    x = (words << jnp.int32(up)) if up else words
+  else:
+    x = words << (32 - bits * (s + 1)).astype(jnp.int32)
   return (x >> jnp.int32(32 - bits)).astype(jnp.int8)  # arithmetic shift sign-extends
 
 
-def decode_int_to_float(words: jax.Array, s: int, bits: int, dtype) -> jax.Array:
+def decode_int_to_float(words: jax.Array, s, bits: int, dtype) -> jax.Array:
   """Slot ``s`` of two's-complement codes as ``dtype`` without an int->float convert.
 
   ``code ^ 2**(bits-1)`` is the value plus 2**(bits-1); OR-ing it into the
@@ -152,22 +164,87 @@ def decode_int_to_float(words: jax.Array, s: int, bits: int, dtype) -> jax.Array
   return f.astype(dtype)
 
 
-def decode_binary_to_bits_int8(words: jax.Array, s: int) -> jax.Array:
+def decode_binary_to_bits_int8(words: jax.Array, s) -> jax.Array:
   """Slot ``s`` of binary codes as int8 bits {0, 1} (1 means +1)."""
   return _codes(words, s, 1).astype(jnp.int8)
 
 
-def decode_binary_to_pm1_int8(words: jax.Array, s: int) -> jax.Array:
+def decode_binary_to_pm1_int8(words: jax.Array, s) -> jax.Array:
   """Slot ``s`` of binary codes as int8 {-1, +1}."""
   return (_codes(words, s, 1) * 2 - 1).astype(jnp.int8)
 
 
-def decode_binary_to_float(inv_words: jax.Array, s: int, dtype) -> jax.Array:
+def decode_binary_to_float(inv_words: jax.Array, s, dtype) -> jax.Array:
   """Slot ``s`` of binary codes as +-1.0 in ``dtype``; takes ``~words``.
 
   Moves the inverted bit into float32's sign bit and ORs in the bits of 1.0:
   one shift and one logic op per value, no int->float convert.
   """
-  sign = (inv_words << jnp.int32(31 - s)) if s != 31 else inv_words
+  if isinstance(s, int):
+    sign = (inv_words << jnp.int32(31 - s)) if s != 31 else inv_words
+  else:
+    sign = inv_words << (31 - s).astype(jnp.int32)
   f = lax.bitcast_convert_type((sign & jnp.int32(_SIGN)) | jnp.int32(0x3F800000), jnp.float32)
   return f.astype(dtype)
+
+
+_ONE16 = {jnp.dtype(jnp.bfloat16): 0x3F80, jnp.dtype(jnp.float16): 0x3C00}
+_MAGIC16 = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0, 7), jnp.dtype(jnp.float16): (0x6400, 1024.0, 10)}
+
+
+def has_16bit_decode(dtype, bits: int) -> bool:
+  """Whether :func:`decode_int_to_16bit` / :func:`decode_binary_to_16bit` serve ``dtype``."""
+  dtype = jnp.dtype(dtype)
+  return dtype in _MAGIC16 and bits <= _MAGIC16[dtype][2]
+
+
+def _as16(x32: jax.Array, dtype) -> jax.Array:
+  """Low 16 bits of int32 ``x32`` reinterpreted as ``dtype`` (bf16 / f16)."""
+  return lax.bitcast_convert_type(x32.astype(jnp.int16), dtype)
+
+
+def decode_binary_to_16bit(inv_words: jax.Array, s, dtype) -> jax.Array:
+  """Slot ``s`` of binary codes as +-1 in bf16/f16, built as 16-bit patterns; takes ``~words``.
+
+  The inverted bit becomes bit 15 (the sign) and is OR-ed with the pattern
+  of 1.0: shift + logic op, truncate, bitcast; no float conversion at all.
+  """
+  one = jnp.int32(_ONE16[jnp.dtype(dtype)])
+  if isinstance(s, int):
+    sign = (inv_words << jnp.int32(15 - s)) if s <= 15 else lax.shift_right_logical(
+        inv_words, jnp.int32(s - 15))
+  else:
+    sign = lax.shift_right_logical(inv_words, s.astype(jnp.int32)) << jnp.int32(15)
+  return _as16((sign & jnp.int32(0x8000)) | one, dtype)
+
+
+def decode_int_to_16bit(words: jax.Array, s, bits: int, dtype) -> jax.Array:
+  """Slot ``s`` of two's-complement codes as bf16/f16 via the 16-bit magic number.
+
+  ``(code ^ 2**(bits-1)) | pattern(2**m)`` is ``2**m + value + 2**(bits-1)``
+  exactly (m = mantissa bits); one 16-bit float subtraction gives the value.
+  """
+  pattern, base, _ = _MAGIC16[jnp.dtype(dtype)]
+  half = 1 << (bits - 1)
+  t = (_codes(words, s, bits) ^ jnp.int32(half)) | jnp.int32(pattern)
+  return _as16(t, dtype) - jnp.asarray(base + half, dtype)
+
+
+def word_byte(words: jax.Array, b: int) -> jax.Array:
+  """Byte ``b`` (bits [8b, 8b + 8)) of int32 words as int8."""
+  x = lax.shift_right_logical(words, jnp.int32(8 * b)) if b else words
+  return x.astype(jnp.int8)
+
+
+def byte_slot_to_top(byte: jax.Array, i: int, bits: int) -> jax.Array:
+  """Field ``i`` (bits [i*bits, (i+1)*bits)) of an int8 byte moved to the top bits.
+
+  The result, read as int8, is the field's two's-complement value times
+  ``2**(8 - bits)`` (for binary codes, -128 for bit 1 and 0 for bit 0): one or
+  two int8 ops per value instead of shift + sign-extend + truncate on int32.
+  """
+  up = 8 - bits * (i + 1)
+  x = (byte << jnp.int8(up)) if up else byte
+  if i == 0:
+    return x  # the shift emptied the low bits
+  return x & jnp.int8(-(1 << (8 - bits)))  # the top `bits` bits

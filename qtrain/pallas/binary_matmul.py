@@ -34,8 +34,21 @@ from qtrain.pallas.prepared import PreparedWeight
 
 BlockConfig = _qmatmul.BlockConfig
 
-# Measured on the GPU (benchmarks/kernels.py); key: (activation format, K, N, M bucket).
-CONFIGS: dict[tuple, BlockConfig] = {}
+# Measured on one H200 (jax 0.11.2, benchmarks/kernels.py --explore, 2026-11-21);
+# key: (activation format, K, N, M bucket). Missing keys use the heuristic.
+_LARGE_M = BlockConfig(block_m=128, block_n=256, num_warps=8, num_stages=3, block_k=64)
+CONFIGS: dict[tuple, BlockConfig] = {
+    **{(fmt, k, n, mb): _LARGE_M for fmt in ("float", "int8", "binary")
+       for k, n in ((8192, 28672), (4096, 4096)) for mb in (512, 4096)},
+    ("float", 8192, 28672, 16): BlockConfig(block_m=16, block_n=256, num_warps=8, num_stages=3),
+    ("int8", 8192, 28672, 16): BlockConfig(block_m=16, block_n=128, num_warps=4, num_stages=3),
+    ("binary", 8192, 28672, 16): BlockConfig(block_m=16, block_n=256, num_warps=8, num_stages=3),
+    ("binary-pc", 8192, 28672, 16): BlockConfig(block_m=16, block_n=128, num_warps=4, num_stages=3),
+    ("float", 4096, 4096, 16): BlockConfig(block_m=16, block_n=128, split_k=4, num_warps=4, num_stages=3),
+    ("int8", 4096, 4096, 16): BlockConfig(block_m=16, block_n=64, split_k=4, num_warps=4, num_stages=4),
+    ("binary", 4096, 4096, 16): BlockConfig(block_m=16, block_n=64, split_k=4, num_warps=4, num_stages=4),
+    ("binary-pc", 4096, 4096, 16): BlockConfig(block_m=16, block_n=64, split_k=4, num_warps=4, num_stages=4),
+}
 
 
 def _act_format(x: jax.Array) -> str:
@@ -72,7 +85,7 @@ def binary_popcount_kernel(a_ref, w_ref, ws_ref, as_ref, o_ref, *, k: int, chunk
 
 def _popcount_call(x, w: PreparedWeight, a_scale, out_dtype, config: BlockConfig, interpret):
   m, kw = x.shape
-  n_pad = w.data.shape[0]
+  n_pad = w.n_pad
   bm, bn = config.block_m, config.block_n
   chunk = 8 if kw % 8 == 0 else 1
   m_pad = _common.round_up(m, bm)
@@ -127,7 +140,7 @@ def binary_matmul(x: jax.Array, w: PreparedWeight, *, x_scale=None, out_dtype=jn
     raise ValueError(f"binary_matmul needs binary weights, got qtype {w.qtype!r}")
   fmt = _act_format(x)
   m = x.shape[0]
-  kw = w.data.shape[1]
+  kw = w.k_words
   if fmt == "binary":
     if x.shape[1] != kw:
       raise ValueError(f"binary activation words {x.shape} do not match weight words {w.data.shape}")
@@ -135,17 +148,18 @@ def binary_matmul(x: jax.Array, w: PreparedWeight, *, x_scale=None, out_dtype=jn
     raise ValueError(f"x has K={x.shape[1]} but the weights have k={w.k}")
   if method not in ("mma", "popcount"):
     raise ValueError(f"{method=} must be 'mma' or 'popcount'")
-  if method == "popcount" and fmt != "binary":
-    raise ValueError("method='popcount' needs binary activations (int32 words)")
+  if method == "popcount" and (fmt != "binary" or w.kn):
+    raise ValueError("method='popcount' needs binary activations (int32 words) and (N, K) "
+                     "weights (kn=False)")
   a_scale = _qmatmul.as_row_scale(x_scale, m)
   num_tiles = kw // w.plane_k
   if config is None:
     config = _qmatmul.select_config(CONFIGS, (fmt + ("-pc" if method == "popcount" else ""), w.k, w.n),
-                                    m, w.data.shape[0], num_tiles)
+                                    m, w.n_pad, num_tiles)
   if method == "popcount":
     return _popcount_call(x, w, a_scale, out_dtype, config, interpret)[:, :w.n]
   spec = _qmatmul.KernelSpec(w_format="packed", w_bits=1, w_binary=True, a_format=fmt,
-                             plane_k=w.plane_k, planes=w.planes)
+                             plane_k=w.plane_k, planes=w.planes, kn=w.kn)
   rowsum = None
   if fmt == "int8":
     rowsum = jnp.sum(x.astype(jnp.int32), axis=1, keepdims=True)

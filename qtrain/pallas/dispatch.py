@@ -1,4 +1,287 @@
-"""Placeholder seam (the kernels' dispatch replaces this file): always XLA."""
-def quantized_dot_general(lhs, rhs, dimension_numbers, *, preferred_element_type, implementation="auto"):
+"""Kernel-or-XLA dispatch for dots over quantized operands (the kernels' seam).
+
+:func:`quantized_dot_general` takes the same operands as
+:func:`qtrain.core.qdot.dot_general_quantized_xla` (each a ``QArray`` or a float
+array) and either runs that XLA reference or one of qtrain's Pallas kernels:
+
+* rhs binary: :func:`~qtrain.pallas.binary_matmul.binary_matmul` with float
+  lhs (W1A16), integer-like lhs (W1A8; int8 values) or binary lhs (W1A1).
+* rhs int2/ternary/int4/int8 with per-channel or group-wise scales (and
+  group zero points): :func:`~qtrain.pallas.nbit_matmul.nbit_matmul`, float
+  lhs (WnA16) or integer-like lhs (WnA8); int8 x int8 per-channel goes to
+  :func:`~qtrain.pallas.int8_matmul.int8_matmul`.
+* rhs may also be a :class:`~qtrain.pallas.prepared.PreparedWeight` (weights
+  already in kernel layout, stored (N, K); lhs contracts its last axis):
+  this skips the per-call packing that an unpacked ``QArray`` needs.
+
+Canonicalisation: the kernels take (M, K) x (N, K). lhs free axes become M,
+rhs free axes N, contracting axes K (transposed and reshaped by XLA); batch
+dimensions, fp8, asymmetric (zero-point) activations, activation scales that
+vary along K and per-element contracting scales are not handled by a kernel.
+
+``implementation``:
+  "auto": XLA, except on a GPU backend where the config is handled by a
+    kernel and :data:`AUTO_KERNEL` (measured, benchmarks/kernels.py) says
+    the kernel is faster.
+  "xla": always the XLA reference.
+  "triton": the Pallas Triton kernel (GPU only); ValueError where unsupported.
+  "interpret": the same kernel in the Pallas interpreter (CPU tests).
+Forcing a kernel on an unsupported config raises ValueError (never a silent
+fallback, never silently wrong numbers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from qtrain.pallas import _common
+from qtrain.pallas import _qmatmul
+from qtrain.pallas import binary_matmul as _binary
+from qtrain.pallas import int8_matmul as _int8
+from qtrain.pallas import nbit_matmul as _nbit
+from qtrain.pallas.prepared import PreparedWeight, prepare_binary_activations, prepare_weight
+
+IMPLEMENTATIONS = ("auto", "xla", "triton", "interpret")
+
+_KERNEL_QTYPES = ("binary", "ternary", "int2", "int4", "int8")
+
+# "auto" uses a kernel only where it measured faster than the XLA path for the
+# same operands (benchmarks/RESULTS.md, H200, jax 0.11.2, 2026-11-21).
+# Key: (kernel, weights form, M bucket); weights form is "qarray" (an unpacked
+# QArray that must be packed / transposed per call), "qarray-nk" (an int8
+# QArray already stored (N, K) with N, K multiples of 128: used as is) or
+# "prepacked" (a PreparedWeight; always a kernel: XLA cannot read it).
+# Sub-byte kernels lose to XLA at every measured M once the per-call packing
+# pass (which alone reads every int8 weight, as XLA's int8 dot does) is
+# counted, and even without it their in-kernel decode is ALU-bound (see
+# RESULTS.md); only int8 x int8 on (N, K) weights wins, at M <= 16
+# (62.1 vs 69.1 us at K=8192, N=28672; 7.1 vs 7.2 us at 4096^2).
+AUTO_KERNEL: dict[tuple[str, str, int], bool] = {
+    ("int8", "qarray-nk", 16): True,
+    ("int8", "qarray-nk", 64): False,  # 67.9 vs 65.1 us
+    ("int8", "qarray-nk", 512): False,  # 253.7 vs 221.3 us
+    ("int8", "qarray-nk", 4096): False,  # 1791.6 vs 1607.2 us
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """A canonicalised call: lhs (M, K), a prepared rhs, and output reshaping."""
+
+  kernel: str  # "binary", "nbit" or "int8"
+  lhs: Any  # (M, K) float / int8 array, or int32 binary words
+  lhs_scale: Any  # (M,) float32 or None
+  rhs: PreparedWeight
+  out_shape: tuple[int, ...]
+  weights_form: str  # "prepacked", "qarray-nk" or "qarray" (see AUTO_KERNEL)
+
+
+class _Unsupported(Exception):
+  pass
+
+
+def _is_qarray(x) -> bool:
+  from qtrain.core import qarray  # lazy: qtrain.core imports this module
+  return isinstance(x, qarray.QArray)
+
+
+def _canonical_operand(x, contract, free):
+  """Transposes ``x`` to (free..., contract...) and flattens to 2-D."""
+  perm = tuple(free) + tuple(contract)
+  if perm != tuple(range(x.ndim)):
+    x = jnp.transpose(x, perm)
+  m = math.prod(x.shape[:len(free)])
+  return x.reshape(m, -1)
+
+
+def _row_scale(s, contract, free, shape):
+  """A scale that varies only along free axes, as (prod(free),); else _Unsupported."""
+  if any(s.shape[a] != 1 for a in contract):
+    raise _Unsupported("the activation scale varies along a contracting axis")
+  full = tuple(shape[a] if s.shape[a] != 1 else 1 for a in free)
+  s = jnp.transpose(s, tuple(free) + tuple(contract)).reshape(full)
+  return jnp.broadcast_to(s, tuple(shape[a] for a in free)).reshape(-1)
+
+
+def _weight_scale(s, contract, free, shape):
+  """rhs scale -> ("channel", (N,)) or ("group", (N, G), group_size)."""
+  n_shape = tuple(shape[a] for a in free)
+  tiled = [a for a in contract if s.shape[a] != 1]
+  if not tiled:
+    full = tuple(shape[a] if s.shape[a] != 1 else 1 for a in free)
+    s = jnp.transpose(s, tuple(free) + tuple(contract)).reshape(full)
+    return "channel", jnp.broadcast_to(s, n_shape).reshape(-1), None
+  if len(contract) != 1:
+    raise _Unsupported("group-wise weight scales need a single contracting axis")
+  (c,) = contract
+  groups, k = s.shape[c], shape[c]
+  if groups == k or k % groups:
+    raise _Unsupported(f"weight scale with {groups} entries along K={k} is not group-wise")
+  full = tuple(shape[a] if s.shape[a] != 1 else 1 for a in free) + (groups,)
+  s = jnp.transpose(s, tuple(free) + (c,)).reshape(full)
+  s = jnp.broadcast_to(s, n_shape + (groups,)).reshape(-1, groups)
+  return "group", s, k // groups
+
+
+def _plan(lhs, rhs, dimension_numbers) -> _Plan:
+  """Canonicalises a call for a kernel, or raises _Unsupported(reason)."""
   from qtrain.core import qdot
-  return qdot.dot_general_quantized_xla(lhs, rhs, dimension_numbers, preferred_element_type=preferred_element_type)
+
+  lq, rq = _is_qarray(lhs), _is_qarray(rhs)
+  if isinstance(rhs, PreparedWeight):
+    return _plan_prepared(lhs, rhs, dimension_numbers)
+  if not rq:
+    raise _Unsupported("the rhs is not quantized (kernels take quantized weights as rhs)")
+  dn = qdot.normalize_dimension_numbers(dimension_numbers, lhs.ndim, rhs.ndim)
+  (lc, rc), (lb, rb) = dn
+  if lb or rb:
+    raise _Unsupported("batch dimensions")
+  if not lc:
+    raise _Unsupported("no contracting dimensions")
+  if rhs.qtype.name not in _KERNEL_QTYPES:
+    raise _Unsupported(f"rhs qtype {rhs.qtype.name} (kernels: {_KERNEL_QTYPES})")
+  lfree = qdot.free_axes(lhs.ndim, lc, lb)
+  rfree = qdot.free_axes(rhs.ndim, rc, rb)
+  out_shape = tuple(lhs.shape[a] for a in lfree) + tuple(rhs.shape[a] for a in rfree)
+  # lhs.
+  if lq:
+    if not lhs.qtype.is_integer_like:
+      raise _Unsupported(f"lhs qtype {lhs.qtype.name}")
+    if lhs.zero_point is not None:
+      raise _Unsupported("asymmetric (zero-point) activations")
+    x = _canonical_operand(lhs.qvalue, lc, lfree).astype(jnp.int8)
+    x_scale = _row_scale(lhs.scale.astype(jnp.float32), lc, lfree, lhs.shape)
+  else:
+    if lhs.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+      raise _Unsupported(f"float lhs of dtype {lhs.dtype}")
+    x, x_scale = _canonical_operand(lhs, lc, lfree), None
+  if x.shape[0] == 0 or x.shape[1] == 0:
+    raise _Unsupported("empty operand")
+  # rhs.
+  kind, s, group = _weight_scale(rhs.scale.astype(jnp.float32), rc, rfree, rhs.shape)
+  zero = None
+  if rhs.zero_point is not None:
+    if kind != "group":
+      raise _Unsupported("weight zero points need group-wise scales")
+    _, zero, _ = _weight_scale(rhs.zero_point.astype(jnp.float32), rc, rfree, rhs.shape)
+  wq = _canonical_operand(rhs.qvalue, rc, rfree)
+  as_is = (tuple(rfree) + tuple(rc) == tuple(range(rhs.ndim)) and rhs.qtype.name == "int8"
+           and kind == "channel" and wq.shape[0] % 128 == 0 and wq.shape[1] % 128 == 0)
+  try:
+    # (K, N) words measured faster for 16-bit activations (benchmarks/explore.py).
+    w = prepare_weight(wq, rhs.qtype, scale=s, zero_point=zero, group_size=group,
+                       kn=not lq and rhs.qtype.bits < 8)
+  except ValueError as e:
+    raise _Unsupported(str(e)) from None
+  return _finish_plan(lhs, lq, x, x_scale, w, out_shape, "qarray-nk" if as_is else "qarray")
+
+
+def _plan_prepared(lhs, w: PreparedWeight, dimension_numbers) -> _Plan:
+  (lc, rc), (lb, rb) = dimension_numbers
+  if tuple(lb) or tuple(rb) or tuple(rc) != (1,) or tuple(a % lhs.ndim for a in lc) != (lhs.ndim - 1,):
+    raise ValueError(
+        f"with a PreparedWeight rhs, dimension_numbers must contract lhs's last axis with "
+        f"rhs axis 1 and have no batch axes; got {dimension_numbers}")
+  lq = _is_qarray(lhs)
+  if lq:
+    if lhs.zero_point is not None or not lhs.qtype.is_integer_like:
+      raise ValueError("PreparedWeight rhs takes float or symmetric integer-like QArray lhs")
+    x = lhs.qvalue.reshape(-1, lhs.shape[-1]).astype(jnp.int8)
+    x_scale = _row_scale(lhs.scale.astype(jnp.float32), (lhs.ndim - 1,), tuple(range(lhs.ndim - 1)),
+                         lhs.shape)
+  else:
+    x, x_scale = lhs.reshape(-1, lhs.shape[-1]), None
+  return _finish_plan(lhs, lq, x, x_scale, w, tuple(lhs.shape[:-1]) + (w.n,), "prepacked")
+
+
+def _finish_plan(lhs, lq, x, x_scale, w, out_shape, form):
+  if w.qtype == "binary":
+    if lq and lhs.qtype.kind == "binary":
+      x = prepare_binary_activations(x, plane_words=w.plane_k)
+    return _Plan("binary", x, x_scale, w, out_shape, form)
+  if lq and w.qtype == "int8" and w.group_size is None:
+    return _Plan("int8", x, x_scale, w, out_shape, form)
+  return _Plan("nbit", x, x_scale, w, out_shape, "qarray" if form == "qarray-nk" else form)
+
+
+def _run(plan: _Plan, out_dtype, interpret: bool) -> jax.Array:
+  kw = dict(x_scale=plan.lhs_scale, out_dtype=out_dtype, interpret=interpret)
+  if plan.kernel == "binary":
+    out = _binary.binary_matmul(plan.lhs, plan.rhs, **kw)
+  elif plan.kernel == "int8":
+    out = _int8.int8_matmul(plan.lhs, plan.rhs, **kw)
+  else:
+    out = _nbit.nbit_matmul(plan.lhs, plan.rhs, **kw)
+  return out.reshape(plan.out_shape)
+
+
+def supports(lhs, rhs, dimension_numbers) -> tuple[bool, str]:
+  """Whether a kernel handles this call, and if not, why."""
+  try:
+    _plan(lhs, rhs, dimension_numbers)
+  except _Unsupported as e:
+    return False, str(e)
+  return True, ""
+
+
+def _auto_wants_kernel(plan: _Plan) -> bool:
+  return AUTO_KERNEL.get((plan.kernel, plan.weights_form, _qmatmul.m_bucket(plan.lhs.shape[0])),
+                         False)
+
+
+def quantized_dot_general(lhs, rhs, dimension_numbers, *, preferred_element_type,
+                          implementation: str = "auto") -> jax.Array:
+  """``dot_general`` over QArray/float operands, by a Pallas kernel or by XLA.
+
+  Args:
+    lhs: a ``QArray`` or a float array (activations).
+    rhs: a ``QArray`` or a float array (weights), or a
+      :class:`~qtrain.pallas.prepared.PreparedWeight`.
+    dimension_numbers: as for :func:`jax.lax.dot_general`.
+    preferred_element_type: the float output dtype (None: float32).
+    implementation: one of :data:`IMPLEMENTATIONS`.
+
+  Returns:
+    The product, shaped like ``jax.lax.dot_general``'s output.
+
+  Raises:
+    ValueError: for an unknown ``implementation``, or a forced kernel
+      ("triton"/"interpret") on a config no kernel handles (the message says
+      why), or "triton" off a GPU.
+  """
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"{implementation=} is not valid; valid implementations are {IMPLEMENTATIONS}")
+  out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None else jnp.float32)
+  prepared_rhs = isinstance(rhs, PreparedWeight)
+
+  def xla():
+    from qtrain.core import qdot  # lazy: qtrain.core imports this module
+    if prepared_rhs:
+      raise ValueError("implementation='xla' cannot take a PreparedWeight rhs; pass a QArray")
+    return qdot.dot_general_quantized_xla(lhs, rhs, dimension_numbers,
+                                          preferred_element_type=out_dtype)
+
+  if implementation == "xla":
+    return xla()
+  try:
+    plan = _plan(lhs, rhs, dimension_numbers)
+  except _Unsupported as e:
+    if implementation == "auto" and not prepared_rhs:
+      return xla()
+    raise ValueError(f"implementation={implementation!r}: no qtrain kernel handles this dot "
+                     f"({e}); use implementation='xla' or 'auto'") from None
+  if implementation == "auto":
+    if prepared_rhs:
+      return _run(plan, out_dtype, interpret=not _common.on_gpu())
+    if not (_common.on_gpu() and _auto_wants_kernel(plan)):
+      return xla()
+    return _run(plan, out_dtype, interpret=False)
+  if implementation == "triton" and not _common.on_gpu():
+    raise ValueError(f"implementation='triton' needs a GPU backend; this one is "
+                     f"{jax.default_backend()!r} (use 'interpret' on CPU)")
+  return _run(plan, out_dtype, interpret=implementation == "interpret")

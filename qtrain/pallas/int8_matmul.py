@@ -16,8 +16,14 @@ from qtrain.pallas.prepared import PreparedWeight, prepare_weight
 
 BlockConfig = _qmatmul.BlockConfig
 
-# Measured on the GPU (benchmarks/kernels.py); key: (K, N, M bucket).
-CONFIGS: dict[tuple, BlockConfig] = {}
+# Measured on one H200 (jax 0.11.2, benchmarks/kernels.py --explore, 2026-11-21);
+# key: (K, N, M bucket). Missing keys use the heuristic.
+CONFIGS: dict[tuple, BlockConfig] = {
+    (8192, 28672, 16): BlockConfig(block_m=16, block_n=128, num_warps=4, num_stages=3),
+    (4096, 4096, 16): BlockConfig(block_m=16, block_n=64, split_k=4, num_warps=4, num_stages=4),
+    (8192, 28672, 4096): BlockConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
+    (4096, 4096, 4096): BlockConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
+}
 
 
 def int8_matmul(x: jax.Array, w: jax.Array | PreparedWeight, *, x_scale=None, w_scale=None,
@@ -54,10 +60,9 @@ def int8_matmul(x: jax.Array, w: jax.Array | PreparedWeight, *, x_scale=None, w_
     raise ValueError(f"x has shape {x.shape}; expected (M, {w.k})")
   m = x.shape[0]
   spec = _qmatmul.KernelSpec(w_format="dense", w_bits=8, w_binary=False, a_format="int8",
-                             plane_k=w.plane_k, planes=w.planes)
+                             plane_k=w.plane_k, planes=w.planes, kn=w.kn)
   if config is None:
-    config = _qmatmul.select_config(CONFIGS, (w.k, w.n), m, w.data.shape[0],
-                                    w.data.shape[1] // w.block_k)
+    config = _qmatmul.select_config(CONFIGS, (w.k, w.n), m, w.n_pad, w.k_words // w.block_k)
   out = _qmatmul.qmatmul(x, w.data, spec=spec, k=w.k, w_scale=w.w_scale, g_scale=None,
                          g_zero=None, a_scale=_qmatmul.as_row_scale(x_scale, m), rowsum=None,
                          out_dtype=out_dtype, config=config, interpret=interpret,

@@ -26,8 +26,21 @@ from qtrain.pallas.prepared import PreparedWeight
 
 BlockConfig = _qmatmul.BlockConfig
 
-# Measured on the GPU (benchmarks/kernels.py); key: (qtype, act format, K, N, M bucket).
-CONFIGS: dict[tuple, BlockConfig] = {}
+# Measured on one H200 (jax 0.11.2, benchmarks/kernels.py --explore, 2026-11-21);
+# key: (qtype, act format, K, N, M bucket). Missing keys use the heuristic.
+_LARGE_M = BlockConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, block_k=128)
+CONFIGS: dict[tuple, BlockConfig] = {
+    **{(qt, fmt, k, n, mb): _LARGE_M for qt in ("int2", "int4") for fmt in ("float", "int8")
+       for k, n in ((8192, 28672), (4096, 4096)) for mb in (512, 4096)},
+    ("int2", "float", 8192, 28672, 16): BlockConfig(block_m=16, block_n=256, num_warps=8, num_stages=3),
+    ("int4", "float", 8192, 28672, 16): BlockConfig(block_m=16, block_n=256, num_warps=8, num_stages=3),
+    ("int8", "float", 8192, 28672, 16): BlockConfig(block_m=16, block_n=128, num_warps=4, num_stages=3),
+    ("int2", "float", 4096, 4096, 16): BlockConfig(block_m=16, block_n=64, split_k=4, num_warps=4, num_stages=4),
+    ("int4", "float", 4096, 4096, 16): BlockConfig(block_m=16, block_n=64, split_k=4, num_warps=4, num_stages=4),
+    ("int8", "float", 4096, 4096, 16): BlockConfig(block_m=16, block_n=64, split_k=4, num_warps=4, num_stages=4),
+    ("int8", "float", 8192, 28672, 4096): BlockConfig(block_m=128, block_n=256, num_warps=8, num_stages=3),
+    ("int8", "float", 4096, 4096, 4096): BlockConfig(block_m=128, block_n=256, num_warps=8, num_stages=3),
+}
 
 SUPPORTED_QTYPES = ("int2", "ternary", "int4", "int8")
 
@@ -62,10 +75,10 @@ def nbit_matmul(x: jax.Array, w: PreparedWeight, *, x_scale=None, out_dtype=jnp.
   spec = _qmatmul.KernelSpec(
       w_format="dense" if w.dense else "packed", w_bits=w.bits, w_binary=False, a_format=fmt,
       plane_k=w.plane_k, planes=w.planes, group_planes=group_planes,
-      has_zero=w.g_zero is not None)
-  kp = w.data.shape[1] if w.dense else w.data.shape[1] // w.plane_k * w.block_k
+      has_zero=w.g_zero is not None, kn=w.kn)
+  kp = w.k_words if w.dense else w.k_words // w.plane_k * w.block_k
   if config is None:
-    config = _qmatmul.select_config(CONFIGS, (w.qtype, fmt, w.k, w.n), m, w.data.shape[0],
+    config = _qmatmul.select_config(CONFIGS, (w.qtype, fmt, w.k, w.n), m, w.n_pad,
                                     kp // w.block_k)
   out = _qmatmul.qmatmul(x, w.data, spec=spec, k=w.k, w_scale=w.w_scale, g_scale=w.g_scale,
                          g_zero=w.g_zero, a_scale=_qmatmul.as_row_scale(x_scale, m),

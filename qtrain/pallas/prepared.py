@@ -37,6 +37,7 @@ class PreparedWeight:
     plane_k: K values per plane (static).
     planes: planes per K tile (static).
     group_size: K values per scale group, or None (static).
+    kn: ``data`` is stored transposed, (Kw, Np) / (Kp, Np) (static).
   """
 
   data: jax.Array
@@ -49,10 +50,20 @@ class PreparedWeight:
   plane_k: int
   planes: int
   group_size: int | None
+  kn: bool = False
 
   @property
   def dense(self) -> bool:
     return self.data.dtype == jnp.int8
+
+  @property
+  def n_pad(self) -> int:
+    return self.data.shape[1 if self.kn else 0]
+
+  @property
+  def k_words(self) -> int:
+    """Length of the stored K axis (words, or int8 values when dense)."""
+    return self.data.shape[0 if self.kn else 1]
 
   @property
   def bits(self) -> int:
@@ -66,7 +77,7 @@ class PreparedWeight:
 jax.tree_util.register_dataclass(
     PreparedWeight,
     data_fields=["data", "w_scale", "g_scale", "g_zero"],
-    meta_fields=["qtype", "n", "k", "plane_k", "planes", "group_size"],
+    meta_fields=["qtype", "n", "k", "plane_k", "planes", "group_size", "kn"],
 )
 
 
@@ -87,7 +98,7 @@ def _group_param(p, n: int, n_pad: int, groups: int, groups_pad: int) -> jax.Arr
 
 def prepare_weight(values: jax.Array, qtype, *, scale=None, zero_point=None,
                    group_size: int | None = None, k: int | None = None,
-                   plane_words: int = 32, n_align: int = 128) -> PreparedWeight:
+                   plane_words: int = 32, n_align: int = 128, kn: bool = False) -> PreparedWeight:
   """Builds the kernel layout of a quantized weight stored (N, K).
 
   Args:
@@ -101,6 +112,9 @@ def prepare_weight(values: jax.Array, qtype, *, scale=None, zero_point=None,
     plane_words: words per plane of packed weights (a power of two >= 16;
       32 suits int8 and bf16 tensor cores).
     n_align: N is padded to a multiple of this.
+    kn: store the data transposed ((K, N)): the decoded planes feed the dot
+      as its (K, N) operand without a transpose (a tuning choice for
+      16-bit activations; 8-bit tensor cores want the default (N, K)).
 
   Returns:
     A :class:`PreparedWeight`.
@@ -148,9 +162,11 @@ def prepare_weight(values: jax.Array, qtype, *, scale=None, zero_point=None,
     g_scale = _group_param(scale, n, n_pad, groups, groups_pad)
     if zero_point is not None:
       g_zero = _group_param(zero_point, n, n_pad, groups, groups_pad)
+  if kn:
+    data = data.T
   return PreparedWeight(data=data, w_scale=w_scale, g_scale=g_scale, g_zero=g_zero,
                         qtype=qt.name, n=n, k=k, plane_k=plane_k, planes=planes,
-                        group_size=group_size)
+                        group_size=group_size, kn=kn)
 
 
 def prepare_binary_activations(x: jax.Array, *, plane_words: int = 32) -> jax.Array:

@@ -1,0 +1,323 @@
+"""Benchmark of qtrain's Pallas kernels against XLA bf16 and XLA int8.
+
+Usage (on the GPU machine, from the repository root):
+  PYTHONPATH=. python benchmarks/kernels.py [--explore] [--check] [--append]
+      [--budget-s 420] [--json OUT.json]
+
+Rows: M in {1, 16, 64, 512, 4096}; (K, N) in {(4096, 4096), (8192, 28672)}.
+Columns: time (µs, median of loop-amortized repeats, benchmarks/_timing.py),
+speedup over the best XLA bf16 (default flags, and
+--xla_gpu_enable_triton_gemm=false measured in a subprocess since the flag must
+precede jax's initialisation), weight-stream TB/s and its fraction of the
+measured copy bandwidth, TFLOP/s and its fraction of the measured bf16 peak.
+--explore tries several block configs per kernel and shape (at --explore-ms) and
+uses the best (printing them to paste into the kernels' CONFIGS tables).
+--merge a.json b.json ... renders one table from several --json outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import _timing  # noqa: E402
+from qtrain.pallas import binary_matmul as bmm  # noqa: E402
+from qtrain.pallas import int8_matmul as imm  # noqa: E402
+from qtrain.pallas import nbit_matmul as nbm  # noqa: E402
+from qtrain.pallas import prepared  # noqa: E402
+from qtrain.pallas._qmatmul import BlockConfig, heuristic_config  # noqa: E402
+
+MS = (1, 16, 64, 512, 4096)
+SHAPES = ((4096, 4096), (8192, 28672))
+GROUP = 128
+KERNELS = ("binary W1A16", "binary W1A8", "binary W1A1", "int2 W2A16 g128", "int4 W4A16 g128",
+           "int8 W8A16", "int8 x int8")
+
+
+def weight_bytes(kernel: str, n: int, k: int) -> float:
+  """Bytes of weights (plus scales) a kernel must stream."""
+  if kernel.startswith("xla bf16"):
+    return 2 * n * k
+  if kernel.startswith("binary"):
+    return n * k / 8 + 4 * n
+  if kernel.startswith("int2"):
+    return n * k / 4 + 4 * n * k / GROUP
+  if kernel.startswith("int4"):
+    return n * k / 2 + 4 * n * k / GROUP
+  return n * k + 4 * n  # int8
+
+
+def candidates(kernel: str, m: int, n: int, k: int) -> list[BlockConfig | None]:
+  """Block configs tried by --explore (and when a default config fails)."""
+  if m <= 64:
+    bm = 16 if m <= 16 else 64
+    if n >= 16384:
+      out = [BlockConfig(block_m=bm, block_n=128, num_warps=4, num_stages=3),
+             BlockConfig(block_m=bm, block_n=256, num_warps=8, num_stages=3)]
+      if kernel == "binary W1A8":
+        out.append(BlockConfig(block_m=bm, block_n=128, num_warps=4, num_stages=3,
+                               byte_decode=False))
+      return out
+    return [BlockConfig(block_m=bm, block_n=64, split_k=4, num_warps=4, num_stages=4),
+            BlockConfig(block_m=bm, block_n=128, split_k=4, num_warps=4, num_stages=3)]
+  return [BlockConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, block_k=128),
+          BlockConfig(block_m=128, block_n=256, num_warps=8, num_stages=3, block_k=64),
+          BlockConfig(block_m=128, block_n=256, num_warps=8, num_stages=3, block_k=128)]
+
+
+class Operands:
+  """Random operands of one (M, K, N) problem, quantized for every kernel."""
+
+  def __init__(self, m: int, k: int, n: int, seed: int = 0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    self.m, self.k, self.n = m, k, n
+    self.x = jax.random.normal(k1, (m, k), jnp.bfloat16)
+    w = jax.random.normal(k2, (n, k), jnp.float32)
+    self.w_t = w.T.astype(jnp.bfloat16)  # (K, N) for XLA bf16
+    self.xq = jnp.clip(jnp.round(self.x.astype(jnp.float32) * 40), -127, 127).astype(jnp.int8)
+    self.xs = jnp.full((m,), 1 / 40, jnp.float32)
+    self.xw = prepared.prepare_binary_activations(self.x)
+    absw = jnp.mean(jnp.abs(w), axis=1)
+    self.w_bin_values = jnp.where(w > 0, 1, -1).astype(jnp.int8)
+    self.w_bin = prepared.prepare_weight(self.w_bin_values, "binary", scale=absw)
+    self.w_bin_kn = prepared.prepare_weight(self.w_bin_values, "binary", scale=absw, kn=True)
+    self.w8_values = jnp.clip(jnp.round(w * 40), -127, 127).astype(jnp.int8)
+    self.w8_scale = jnp.full((n,), 1 / 40, jnp.float32)
+    self.w8 = prepared.prepare_weight(self.w8_values, "int8", scale=self.w8_scale)
+    wg = w.reshape(n, k // GROUP, GROUP)
+    self.packed = {}
+    for qt, qmax in (("int2", 1), ("int4", 7)):
+      s = jnp.max(jnp.abs(wg), axis=2) / qmax
+      q = jnp.clip(jnp.round(wg / s[..., None]), -qmax - 1, qmax).astype(jnp.int8).reshape(n, k)
+      self.packed[qt] = (q, s, prepared.prepare_weight(q, qt, scale=s, group_size=GROUP, kn=True))
+    jax.block_until_ready((self.w_bin, self.w8, self.packed, self.xw))
+
+
+def kernel_fn(kernel: str, ops: Operands, config, method: str = "mma"):
+  """(fn, args) computing one kernel on ``ops`` with ``config``."""
+  out = jnp.bfloat16
+  if kernel == "xla bf16":
+    return (lambda x, w: x @ w), (ops.x, ops.w_t)
+  if kernel == "xla int8":
+    def f(xq, wq, xs, ws):
+      acc = lax.dot_general(xq, wq, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+      return (acc.astype(jnp.float32) * xs[:, None] * ws[None, :]).astype(out)
+    return f, (ops.xq, ops.w8_values, ops.xs, ops.w8_scale)
+  # Weight layouts measured best in benchmarks/explore.py: (K, N) words for
+  # 16-bit activations and for the large-M flat path, (N, K) for int8 at small M.
+  if kernel == "binary W1A16":
+    return (lambda x, w: bmm.binary_matmul(x, w, out_dtype=out, config=config)), (ops.x, ops.w_bin_kn)
+  if kernel == "binary W1A8":
+    wb = ops.w_bin_kn if ops.m > 64 else ops.w_bin
+    return (lambda x, w, s: bmm.binary_matmul(x, w, x_scale=s, out_dtype=out, config=config)), (
+        ops.xq, wb, ops.xs)
+  if kernel == "binary W1A1":
+    return (lambda x, w: bmm.binary_matmul(x, w, out_dtype=out, config=config, method=method)), (
+        ops.xw, ops.w_bin)
+  if kernel.startswith("int2") or kernel.startswith("int4"):
+    w = ops.packed[kernel[:4]][2]
+    return (lambda x, w: nbm.nbit_matmul(x, w, out_dtype=out, config=config)), (ops.x, w)
+  if kernel == "int8 W8A16":
+    return (lambda x, w: nbm.nbit_matmul(x, w, out_dtype=out, config=config)), (ops.x, ops.w8)
+  if kernel == "int8 x int8":
+    return (lambda x, w, s: imm.int8_matmul(x, w, x_scale=s, out_dtype=out, config=config)), (
+        ops.xq, ops.w8, ops.xs)
+  raise ValueError(kernel)
+
+
+def reference(kernel: str, ops: Operands) -> jax.Array:
+  """f32 reference output of ``kernel`` on ``ops``."""
+  if kernel == "binary W1A16":
+    return bmm.binary_matmul_reference(ops.x, ops.w_bin_values, w_scale=ops.w_bin.w_scale[0, :ops.n])
+  if kernel == "binary W1A8":
+    return bmm.binary_matmul_reference(ops.xq, ops.w_bin_values, x_scale=ops.xs,
+                                       w_scale=ops.w_bin.w_scale[0, :ops.n])
+  if kernel == "binary W1A1":
+    xb = jnp.where(ops.x > 0, 1, -1).astype(jnp.int8)
+    return bmm.binary_matmul_reference(xb, ops.w_bin_values, w_scale=ops.w_bin.w_scale[0, :ops.n])
+  if kernel[:4] in ("int2", "int4"):
+    q, s, _ = ops.packed[kernel[:4]]
+    return nbm.nbit_matmul_reference(ops.x, q, group_size=GROUP, g_scale=s)
+  if kernel == "int8 W8A16":
+    return nbm.nbit_matmul_reference(ops.x, ops.w8_values, w_scale=ops.w8_scale)
+  return imm.int8_matmul_reference(ops.xq, ops.w8_values, x_scale=ops.xs, w_scale=ops.w8_scale)
+
+
+def rel_err(out, ref) -> float:
+  out = jnp.asarray(out, jnp.float32)
+  return float(jnp.linalg.norm(out - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
+
+
+def render_table(rows, bw: float, peak: float) -> str:
+  """Markdown table of (m, k, n, kernel, seconds, note) rows."""
+  lines = ["| M | K | N | kernel | µs | vs bf16 | weight TB/s | of copy bw | TFLOP/s | of bf16 peak | config / note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  bf16_of = {(r[0], r[1], r[2]): r[4] for r in rows if r[3] == "xla bf16"}
+  for m, k, n, kernel, t, note in rows:
+    tbs = weight_bytes(kernel, n, k) / t / 1e12
+    tf = 2 * m * k * n / t / 1e12
+    ratio = f"{bf16_of[(m, k, n)] / t:.2f}x" if (m, k, n) in bf16_of else "-"
+    lines.append(f"| {m} | {k} | {n} | {kernel} | {t * 1e6:.1f} | {ratio} | "
+                 f"{tbs:.2f} | {tbs * 1e12 / bw:.0%} | {tf:.1f} | {tf * 1e12 / peak:.0%} | {note} |")
+  return "\n".join(lines)
+
+
+def xla_bf16_times(no_triton: bool) -> dict:
+  """Times XLA bf16 for every (M, K, N); with no_triton, in a subprocess with the flag set."""
+  if not no_triton:
+    res = {}
+    for k, n in SHAPES:
+      for m in MS:
+        ops_x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+        w_t = jax.random.normal(jax.random.key(1), (k, n), jnp.bfloat16)
+        res[f"{m},{k},{n}"] = _timing.time_in_loop(lambda x, w: x @ w, ops_x, w_t)
+    return res
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false").strip()
+  out = subprocess.run([sys.executable, os.path.abspath(__file__), "--xla-bf16-only"], env=env,
+                       capture_output=True, text=True, check=True)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--explore", action="store_true")
+  p.add_argument("--explore-ms", default="16", help="M values --explore applies to")
+  p.add_argument("--check", action="store_true")
+  p.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
+  p.add_argument("--budget-s", type=float, default=420)
+  p.add_argument("--json", default=None)
+  p.add_argument("--ms", default=",".join(map(str, MS)))
+  p.add_argument("--kernels", default=",".join(KERNELS))
+  p.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
+  p.add_argument("--xla-bf16-only", action="store_true")
+  p.add_argument("--merge", nargs="+", default=None,
+                 help="render one table from several --json outputs (later files override rows; "
+                      "bandwidth and peak from the last file)")
+  args = p.parse_args()
+  if args.xla_bf16_only:
+    print(json.dumps(xla_bf16_times(False)))
+    return
+  if args.merge:
+    merged, meta = {}, {}
+    for path in args.merge:
+      with open(path) as f:
+        data = json.load(f)
+      meta = data
+      for r in data["rows"]:
+        merged[(r["k"], r["n"], r["m"], r["kernel"])] = r
+    order = {name: i for i, name in enumerate(("xla bf16", "xla int8") + KERNELS)}
+    rows = [(r["m"], r["k"], r["n"], r["kernel"], r["us"] * 1e-6, r["note"])
+            for _, r in sorted(merged.items(), key=lambda kv: (-kv[0][0], kv[0][2], order[kv[0][3]]))]
+    print(render_table(rows, meta["bw"], meta["peak"]))
+    return
+  t_start = time.time()
+  ms = [int(v) for v in args.ms.split(",")]
+  kernels = [k for k in args.kernels.split(",") if k and k != "none"]
+  dev = jax.devices()[0]
+  print(f"device: {dev.device_kind}; jax {jax.__version__}", flush=True)
+  bw = _timing.copy_bandwidth()
+  peak = _timing.bf16_peak()
+  print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write); bf16 peak {peak / 1e12:.0f} TFLOP/s",
+        flush=True)
+  bf16_default = xla_bf16_times(False)
+  try:
+    bf16_notriton = xla_bf16_times(True)
+  except Exception as e:  # noqa: BLE001
+    print("no-triton-gemm subprocess failed:", e, flush=True)
+    bf16_notriton = {}
+  rows, best_cfgs, results = [], {}, {"bw": bw, "peak": peak, "device": dev.device_kind,
+                                      "jax": jax.__version__, "rows": []}
+  shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+  for k, n in shapes:
+    for m in ms:
+      key = f"{m},{k},{n}"
+      t_bf16 = min(v for v in (bf16_default.get(key), bf16_notriton.get(key)) if v)
+      rows.append((m, k, n, "xla bf16", t_bf16, "best of default / no-triton-gemm"))
+      if time.time() - t_start > args.budget_s:
+        continue
+      ops = Operands(m, k, n)
+      for kernel in ["xla int8"] + kernels:
+        if time.time() - t_start > args.budget_s:
+          print("budget exhausted; stopping", flush=True)
+          break
+        cands = [None]
+        if kernel != "xla int8":
+          explore_here = args.explore and str(m) in args.explore_ms.split(",")
+          cands = candidates(kernel, m, n, k) if explore_here else [None]
+        methods = ["mma", "popcount"] if (kernel == "binary W1A1" and m <= 64) else ["mma"]
+        best = None
+        for method in methods:
+          tried = list(cands)
+          for cfg in tried:
+            try:
+              fn, fargs = kernel_fn(kernel, ops, cfg, method)
+              t = _timing.time_in_loop(fn, *fargs)
+            except Exception as e:  # noqa: BLE001
+              print(f"FAIL {kernel} M={m} K={k} N={n} {cfg} {method}: {type(e).__name__}: "
+                    f"{str(e)[:300]}", flush=True)
+              if cfg is None and kernel != "xla int8":
+                tried.extend(candidates(kernel, m, n, k))  # the default failed: try others
+              continue
+            print(f"  {kernel:18s} M={m:5d} K={k} N={n} {method:8s} {cfg} {t * 1e6:9.1f} us",
+                  flush=True)
+            if best is None or t < best[0]:
+              best = (t, cfg, method)
+        if best is None:
+          continue
+        t, cfg, method = best
+        note = "" if cfg is None else (f"bm{cfg.block_m} bn{cfg.block_n} sk{cfg.split_k} "
+                                       f"w{cfg.num_warps} s{cfg.num_stages}")
+        if kernel == "binary W1A1":
+          note = (method + " " + note).strip()
+        if args.check and kernel != "xla int8" and m <= 64:
+          fn, fargs = kernel_fn(kernel, ops, cfg, method)
+          err = rel_err(jax.jit(fn)(*fargs), reference(kernel, ops))
+          note += f" err={err:.1e}"
+        if cfg is not None:
+          best_cfgs[(kernel, k, n, m)] = cfg
+        elif kernel != "xla int8":
+          note = "default config " + note
+        rows.append((m, k, n, kernel, t, note))
+  for m, k, n, kernel, t, note in rows:
+    results["rows"].append(dict(m=m, k=k, n=n, kernel=kernel, us=t * 1e6, note=note))
+  table = render_table(rows, bw, peak)
+  print(table)
+  if best_cfgs:
+    print("\nBEST CONFIGS:")
+    for key, cfg in best_cfgs.items():
+      print(f"  {key}: BlockConfig(block_m={cfg.block_m}, block_n={cfg.block_n}, "
+            f"split_k={cfg.split_k}, num_warps={cfg.num_warps}, num_stages={cfg.num_stages}),")
+  header = (f"\n## Kernels — {datetime.date(2026, 11, 21)} — {dev.device_kind} — jax {jax.__version__}\n\n"
+            f"Command: `PYTHONPATH=. python {' '.join(sys.argv)}`\n\n"
+            f"Measured copy bandwidth {bw / 1e12:.2f} TB/s (XLA elementwise, read+write); "
+            f"measured XLA bf16 peak {peak / 1e12:.0f} TFLOP/s (8192^3). "
+            "Loop-amortized medians (benchmarks/_timing.py). Weight TB/s counts packed weights "
+            "+ scales only.\n\n")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=1)
+    with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
+      f.write(header + table + "\n")
+  if args.append:
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"), "a") as f:
+      f.write(header + table + "\n")
+
+
+if __name__ == "__main__":
+  main()

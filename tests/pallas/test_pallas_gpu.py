@@ -1,0 +1,122 @@
+"""Every qtrain kernel compiled for real (Triton) against its reference; GPU only.
+
+Run on the GPU machine: ``PYTHONPATH=. python -m pytest -m gpu tests/pallas``.
+"""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from qtrain.pallas import binary_matmul as bmm
+from qtrain.pallas import int8_matmul as imm
+from qtrain.pallas import nbit_matmul as nbm
+from qtrain.pallas import prepared
+from qtrain.pallas._qmatmul import BlockConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
+]
+
+FLOAT_BUDGET = 1e-5  # bf16/f16 products are exact in f32; f32 uses an IEEE dot
+CONFIGS = {
+    "small": BlockConfig(block_m=16, block_n=64, split_k=2, num_warps=4, num_stages=4),
+    "flat": BlockConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, block_k=128),
+    "nobyte": BlockConfig(block_m=16, block_n=128, num_warps=4, num_stages=3, byte_decode=False,
+                          decode16=False),
+    "default": None,
+}
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def _acts(rng, m, k, kind):
+  if kind == "int8":
+    return jnp.asarray(rng.integers(-128, 128, (m, k)), jnp.int8)
+  return jnp.asarray(rng.standard_normal((m, k)), jnp.dtype(kind))
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+@pytest.mark.parametrize("act", ["bfloat16", "float16", "float32", "int8", "binary"])
+def test_binary_gpu(cfg, act):
+  rng = np.random.default_rng(0)
+  m, k, n = 200, 1000, 300  # ragged M, K, N
+  wv = jnp.asarray(np.where(rng.random((n, k)) > 0.5, 1, -1), jnp.int8)
+  ws = jnp.asarray(rng.random(n) + 0.5, jnp.float32)
+  w = prepared.prepare_weight(wv, "binary", scale=ws, kn=act in ("bfloat16", "float16") and cfg != "nobyte")
+  xs = jnp.asarray(rng.random(m) + 0.5, jnp.float32)
+  if act == "binary":
+    xv = jnp.asarray(np.where(rng.random((m, k)) > 0.5, 1, -1), jnp.int8)
+    x = prepared.prepare_binary_activations(xv)
+    ref = bmm.binary_matmul_reference(xv, wv, w_scale=ws, x_scale=xs)
+  else:
+    x = _acts(rng, m, k, act)
+    ref = bmm.binary_matmul_reference(x, wv, w_scale=ws, x_scale=xs)
+  out = jax.jit(lambda x, w: bmm.binary_matmul(x, w, x_scale=xs, config=CONFIGS[cfg]))(x, w)
+  if act in ("int8", "binary"):
+    np.testing.assert_array_equal(out, ref)
+  else:
+    assert _rel(out, ref) < FLOAT_BUDGET
+  if act == "binary" and cfg == "small":
+    pc = bmm.binary_matmul(x, w, x_scale=xs, config=CONFIGS[cfg], method="popcount")
+    np.testing.assert_array_equal(pc, ref)
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+@pytest.mark.parametrize("qtype,lo,hi,group,zero", [
+    ("int2", -2, 2, 128, False), ("int4", -8, 8, 64, True), ("int4", -8, 8, None, False),
+    ("ternary", -1, 2, 32, False), ("int8", -128, 128, 128, False), ("int8", -128, 128, None, False)])
+@pytest.mark.parametrize("act", ["bfloat16", "int8"])
+def test_nbit_gpu(cfg, qtype, lo, hi, group, zero, act):
+  rng = np.random.default_rng(1)
+  m, k, n = 70, 1024, 200
+  x = _acts(rng, m, k, act)
+  wv = jnp.asarray(rng.integers(lo, hi, (n, k)), jnp.int8)
+  xs = jnp.asarray(rng.random(m) + 0.5, jnp.float32) if act == "int8" else None
+  if group:
+    gs = jnp.asarray(rng.random((n, k // group)) + 0.5, jnp.float32)
+    gz = jnp.asarray(rng.integers(-2, 3, (n, k // group)), jnp.float32) if zero else None
+    w = prepared.prepare_weight(wv, qtype, scale=gs, zero_point=gz, group_size=group,
+                                kn=act == "bfloat16" and cfg == "flat")
+    ref = nbm.nbit_matmul_reference(x, wv, group_size=group, g_scale=gs, g_zero=gz, x_scale=xs)
+  else:
+    ws = jnp.asarray(rng.random(n) + 0.5, jnp.float32)
+    w = prepared.prepare_weight(wv, qtype, scale=ws)
+    ref = nbm.nbit_matmul_reference(x, wv, w_scale=ws, x_scale=xs)
+  out = jax.jit(lambda x, w: nbm.nbit_matmul(x, w, x_scale=xs, config=CONFIGS[cfg]))(x, w)
+  if act == "int8" and not group:
+    np.testing.assert_array_equal(out, ref)
+  else:
+    assert _rel(out, ref) < FLOAT_BUDGET
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_int8_gpu(cfg, m):
+  rng = np.random.default_rng(m)
+  k, n = 1000, 384
+  x, w = _acts(rng, m, k, "int8"), _acts(rng, n, k, "int8")
+  xs = jnp.asarray(rng.random(m) + 0.5, jnp.float32)
+  ws = jnp.asarray(rng.random(n) + 0.5, jnp.float32)
+  out = imm.int8_matmul(x, w, x_scale=xs, w_scale=ws, out_dtype=jnp.bfloat16, config=CONFIGS[cfg])
+  ref = imm.int8_matmul_reference(x, w, x_scale=xs, w_scale=ws, out_dtype=jnp.bfloat16)
+  np.testing.assert_array_equal(out, ref)
+
+
+def test_dispatch_triton_matches_xla():
+  from qtrain.core import qarray as qa
+  from qtrain.pallas import dispatch
+  x = jax.random.normal(jax.random.key(0), (4, 64, 512), jnp.float32)
+  w = jax.random.normal(jax.random.key(1), (512, 256), jnp.float32)
+  wq = qa.quantize(w, qa.QuantizeSpec(qtype="int4", channelwise_axes=(1,), tiled_axes={0: 128}))
+  xq = qa.quantize(x, qa.QuantizeSpec(qtype="int8", channelwise_axes=(0, 1)))
+  dn = (((2,), (0,)), ((), ()))
+  a = dispatch.quantized_dot_general(xq, wq, dn, preferred_element_type=jnp.float32,
+                                     implementation="triton")
+  b = dispatch.quantized_dot_general(xq, wq, dn, preferred_element_type=jnp.float32,
+                                     implementation="xla")
+  assert _rel(a, b) < 1e-6
