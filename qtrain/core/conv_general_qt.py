@@ -17,12 +17,12 @@ contraction does not factor per-channel scales the way a matmul's does).
 
 Example:
   >>> import jax, jax.numpy as jnp
-  >>> from qtrain.core import config, conv_general_qt
-  >>> cfg = config.ConvGeneralQtConfig(lhs=config.OperandQuant(qtype="int8"),
-  ...                                  rhs=config.OperandQuant(qtype="int8"))
+  >>> import qtrain.core as qc
+  >>> cfg = qc.ConvGeneralQtConfig(lhs=qc.OperandQuant(qtype="int8"),
+  ...                              rhs=qc.OperandQuant(qtype="int8"))
   >>> x = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
   >>> w = jax.random.normal(jax.random.key(1), (3, 3, 3, 4))
-  >>> y = conv_general_qt.conv_general_qt(x, w, (1, 1), "SAME", config=cfg,
+  >>> y = qc.conv_general_qt(x, w, (1, 1), "SAME", config=cfg,
   ...     dimension_numbers=("NHWC", "HWIO", "NHWC"))
   >>> y.shape
   (2, 8, 8, 4)
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from qtrain.core import config as cfg_lib
-from qtrain.core import dot_general_qt as dqt
+from qtrain.core import qt_operand as dqt
 from qtrain.core import qarray as qa
 from qtrain.core import qdot
 
@@ -54,7 +54,14 @@ def _quantized_conv(lq, rq, p, out_dtype):
   """Conv over QArray/float operands, exact low-precision arithmetic where both are quantized."""
   lhs_spec, rhs_spec, out_spec = p["dn"]
   both = qdot.is_quantized(lq) and qdot.is_quantized(rq)
-  if both and lq.qtype.is_float == rq.qtype.is_float and lq.zero_point is None and rq.zero_point is None:
+  # Scales factor out of the convolution only when the input's varies (at
+  # most) along its batch axis and the kernel's along its output-feature axis;
+  # a passed-in scale may vary elsewhere (e.g. per input channel): then the
+  # dequantized operands are convolved in float32 below.
+  varies_only = lambda s, axis: all(n == 1 for a, n in enumerate(s.shape) if a != axis)
+  if (both and lq.qtype.is_float == rq.qtype.is_float and lq.zero_point is None
+      and rq.zero_point is None and varies_only(lq.scale, lhs_spec[0])
+      and varies_only(rq.scale, rhs_spec[0])):
     acc_dtype = jnp.float32 if lq.qtype.is_float else jnp.int32
     acc = _conv(lq.qvalue, rq.qvalue, dict(p, precision=None), acc_dtype).astype(jnp.float32)
     nd = acc.ndim

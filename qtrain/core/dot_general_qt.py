@@ -20,16 +20,16 @@ scale passed in gets its LSQ or bitorch gradient.
 
 Example:
   >>> import jax, jax.numpy as jnp
-  >>> from qtrain.core import config, dot_general_qt
-  >>> cfg = config.DotGeneralQtConfig(
-  ...     lhs=config.OperandQuant(qtype="int8"), rhs=config.OperandQuant(qtype="int8"),
-  ...     dlhs_grad=config.GradQuant(qtype="int8"), drhs_grad=config.GradQuant(qtype="int8"),
+  >>> import qtrain.core as qc
+  >>> cfg = qc.DotGeneralQtConfig(
+  ...     lhs=qc.OperandQuant(qtype="int8"), rhs=qc.OperandQuant(qtype="int8"),
+  ...     dlhs_grad=qc.GradQuant(qtype="int8"), drhs_grad=qc.GradQuant(qtype="int8"),
   ...     implementation="xla")
   >>> x = jax.random.normal(jax.random.key(0), (8, 32))
   >>> w = jax.random.normal(jax.random.key(1), (32, 4))
   >>> dn = (((1,), (0,)), ((), ()))
-  >>> y = dot_general_qt.dot_general_qt(x, w, dn, cfg)
-  >>> gx, gw = jax.grad(lambda x, w: dot_general_qt.dot_general_qt(x, w, dn, cfg).sum(), (0, 1))(x, w)
+  >>> y = qc.dot_general_qt(x, w, dn, cfg)
+  >>> gx, gw = jax.grad(lambda x, w: qc.dot_general_qt(x, w, dn, cfg).sum(), (0, 1))(x, w)
   >>> y.shape, gx.shape, gw.shape
   ((8, 4), (8, 32), (32, 4))
 """
@@ -38,110 +38,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from qtrain.core import config as cfg_lib
-from qtrain.core import estimators
 from qtrain.core import qarray as qa
 from qtrain.core import qdot
-
-
-# ----------------------------------------------------------------------------
-# Operand quantization shared with conv_general_qt.
-
-
-def operand_spec(oq: cfg_lib.OperandQuant, ndim: int, channel_axes: tuple[int, ...],
-                 tile_axis: int | None) -> qa.QuantizeSpec:
-  """The QuantizeSpec of a forward operand."""
-  return qa.QuantizeSpec(
-      qtype=oq.qtype,
-      channelwise_axes=channel_axes if oq.channelwise else (),
-      tiled_axes={tile_axis: oq.tile_size} if (oq.tile_size and tile_axis is not None) else {},
-      calibration=oq.calibration,
-  )
-
-
-def as_scale(given: jax.Array, shape: tuple[int, ...], what: str) -> jax.Array:
-  """Reshapes a passed-in scale to the operand's rank and validates it."""
-  given = jnp.asarray(given, jnp.float32)
-  if given.ndim > len(shape):
-    raise ValueError(f"{what} of shape {given.shape} has more axes than the operand {shape}")
-  s = given.reshape((1,) * (len(shape) - given.ndim) + given.shape)
-  for ns, n in zip(s.shape, shape):
-    if ns != 1 and n % ns:
-      raise ValueError(f"{what} of shape {given.shape} does not fit an operand of shape {shape}")
-  return s
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class OperandResidual:
-  """What the backward keeps of one operand."""
-  value: Any            # QArray (quantized operand) or the float operand
-  mask: Any             # bool array where the gradient passes, or None
-  x: Any                # float operand, only for an LSQ-learned scale
-  given_scale: Any      # the passed-in scale (its original shape), or None
-
-
-def quantize_operand(x, oq, given_scale, channel_axes, tile_axis, what) -> OperandResidual:
-  """Quantizes one forward operand (or keeps it float) and builds its residual."""
-  if oq is None:
-    if given_scale is not None:
-      raise ValueError(f"{what}_scale was given but config.{what} is None (the operand is float)")
-    return OperandResidual(value=x, mask=None, x=None, given_scale=None)
-  spec = operand_spec(oq, x.ndim, channel_axes, tile_axis)
-  if given_scale is None:
-    q = qa.quantize(x, spec)
-  else:
-    q = qa.quantize_with_scale(x, oq.qtype, as_scale(given_scale, x.shape, f"{what}_scale"))
-  full_scale = qa.expand_scale(q.scale, x.shape)
-  zp = None if q.zero_point is None else qa.expand_scale(q.zero_point, x.shape)
-  mask = estimators.pass_mask(oq.estimator, x, full_scale, qmax=q.qtype.qmax,
-                              zero_point_full=zp, qmin=q.qtype.qmin)
-  keep_x = given_scale is not None and oq.scale_grad == "lsq"
-  return OperandResidual(value=q, mask=mask, x=x if keep_x else None, given_scale=given_scale)
-
-
-def finish_operand_grad(x_bar, res: OperandResidual, oq, dtype):
-  """Applies the estimator mask and computes a learned scale's gradient."""
-  scale_bar = None
-  if res.given_scale is not None:
-    q: qa.QArray = res.value
-    full = qa.expand_scale(q.scale, q.shape)
-    if oq.scale_grad == "lsq":
-      sb = estimators.lsq_scale_grad(x_bar, res.x, q.qvalue, q.scale, full,
-                                     qmin=q.qtype.qmin, qmax=q.qtype.qmax)
-    else:
-      masked = x_bar if res.mask is None else jnp.where(res.mask, x_bar, 0)
-      sb = estimators.bitorch_scale_grad(masked, q.qvalue, q.scale)
-    scale_bar = sb.reshape(jnp.shape(res.given_scale)).astype(jnp.result_type(res.given_scale))
-  if res.mask is not None:
-    x_bar = jnp.where(res.mask, x_bar, 0)
-  return x_bar.astype(dtype), scale_bar
-
-
-def quantize_grad(g, gq: cfg_lib.GradQuant, channel_axes, key):
-  spec = qa.QuantizeSpec(qtype=gq.qtype, channelwise_axes=channel_axes,
-                         calibration=gq.calibration, stochastic_rounding=gq.stochastic_rounding)
-  return qa.quantize(g, spec, key=key)
-
-
-def key_data(key) -> jax.Array | None:
-  if key is None:
-    return None
-  if jax.dtypes.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
-    return jax.random.key_data(key)
-  return jnp.asarray(key, jnp.uint32)
-
-
-def split_key(kd, n: int):
-  if kd is None:
-    return [None] * n
-  return list(jax.random.split(jax.random.wrap_key_data(kd), n))
+from qtrain.core.qt_operand import (OperandResidual, as_scale, finish_operand_grad, key_data,
+                                    operand_spec, quantize_grad, quantize_operand, split_key)
 
 
 # ----------------------------------------------------------------------------

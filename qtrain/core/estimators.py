@@ -48,7 +48,8 @@ def pass_mask(estimator: str, x: jax.Array, scale_full: jax.Array, *, qmax: floa
   if estimator == "clipped_ste_unit":
     return jnp.abs(x) <= 1.0
   if estimator == "clipped_ste":
-    y = x.astype(jnp.float32) / scale_full
+    # A zero scale (binary's all-zero group) covers only zeros: y = 0, inside.
+    y = x.astype(jnp.float32) / jnp.where(scale_full == 0, 1.0, scale_full)
     if zero_point_full is not None:
       y = y + zero_point_full
       return (y >= qmin) & (y <= qmax)

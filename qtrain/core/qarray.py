@@ -187,6 +187,11 @@ def _normalize_axes(spec: QuantizeSpec, shape: tuple[int, ...]):
       raise ValueError(f"axis {ax} is out of range for an array of shape {shape}")
   cw = tuple(sorted(a % nd for a in spec.channelwise_axes))
   tiles = {a % nd: t for a, t in spec.tiled_axes.items()}
+  both = set(cw) & set(tiles)
+  if both:  # e.g. channelwise_axes=(1,) with tiled_axes={-1: 32} on a 2-d array
+    raise ValueError(f"axes {sorted(both)} of shape {shape} are both channelwise_axes and "
+                     f"tiled_axes (channelwise_axes={spec.channelwise_axes}, "
+                     f"tiled_axes={spec.tiled_axes})")
   for a, t in tiles.items():
     if shape[a] % t:
       divisors = [d for d in (32, 64, 128, 256) if shape[a] % d == 0]
@@ -268,8 +273,16 @@ def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | 
   else:  # fixed
     bound = jnp.full(scale_shape(x.shape, cw, tiles), cal.bound, jnp.float32)
   bound = bound * cal.multiplier
-  # bound == 0 (all zeros): scale 1 gives exact zeros back. NaN/Inf bounds -> NaN.
-  return _finite_or_nan(jnp.where(bound == 0, 1.0, bound / qt.qmax)), None
+  # bound == 0 (all zeros): scale 1 gives exact zeros back; binary has no 0
+  # code, so its all-zero groups get scale 0 (+1 * 0 = 0). NaN/Inf bounds -> NaN.
+  zero_scale = 0.0 if qt.kind == "binary" else 1.0
+  return _finite_or_nan(jnp.where(bound == 0, zero_scale, bound / qt.qmax)), None
+
+
+def _safe_scale(scale: jax.Array) -> jax.Array:
+  """``scale`` with 0 replaced by 1, to divide by: a zero scale (binary's
+  all-zero group) holds only zeros, and ``0 / 1 = 0`` where ``0 / 0`` is NaN."""
+  return jnp.where(scale == 0, 1.0, scale)
 
 
 def _finite_or_nan(scale: jax.Array) -> jax.Array:
@@ -300,7 +313,7 @@ def quantize_with_scale(
     raise ValueError(f"scale of shape {scale.shape} must have the rank of x {x.shape}")
   if check_finite:
     scale = nonfinite_to_nan(scale, x)
-  y = xf / expand_scale(scale, x.shape)
+  y = xf / _safe_scale(expand_scale(scale, x.shape))
   if zero_point is not None:
     y = y + expand_scale(zero_point, x.shape)
   if stochastic_rounding is not None:

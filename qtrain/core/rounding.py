@@ -62,9 +62,11 @@ def round_nearest(y: jax.Array, qt: qtypes.QType) -> jax.Array:
 def _fp8_spacing(y: jax.Array, dtype) -> jax.Array:
   """Spacing of the fp8 grid at ``|y|`` (the subnormal spacing near zero)."""
   fi = jnp.finfo(dtype)
-  e = jnp.floor(jnp.log2(jnp.maximum(jnp.abs(y), jnp.finfo(jnp.float32).tiny)))
-  e = jnp.maximum(e, fi.minexp)
-  return jnp.exp2(e - fi.nmant)
+  # frexp gives the exact binade (|y| = m * 2^e, m in [0.5, 1)); a float32
+  # log2 rounds up to the next integer just below a power of two.
+  _, e = jnp.frexp(y)
+  e = jnp.where(y == 0, fi.minexp, jnp.maximum(e - 1, fi.minexp))
+  return jnp.ldexp(jnp.ones_like(y, jnp.float32), e - fi.nmant)
 
 
 def stochastic_round(y: jax.Array, qt: qtypes.QType, key: jax.Array, *, method: str = "uniform") -> jax.Array:

@@ -1,0 +1,380 @@
+"""qtrain.core.conv_general_qt: forward vs a float64 numpy convolution, gradients vs a
+fake-quant straight-through reference, and 1x1 conv == dense dot_general_qt.
+
+Error budgets (as in test_core_dot_general_qt):
+  * |out - conv64(x_hat, w_hat)| <= ACC_RTOL * conv64(|x_hat|, |w_hat|): the
+    integer convolution is exact in int32, fp8 accumulates in float32.
+  * |out - conv64(x, w)| <= conv64(E_x, |w_hat|) + conv64(|x|, E_w) + the above,
+    E = per-element quantization budget (int: scale / 2; fp8: 2^-(m+1) |x| or
+    half a subnormal step).
+  * Float backward: the same float32 math as the reference (ACC_RTOL of the
+    absolute terms); int8 backward: relative Frobenius error <= 2^-6.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qtrain.core import config as C
+from qtrain.core import qarray
+from qtrain.core.conv_general_qt import conv_general_qt
+from qtrain.core.dot_general_qt import dot_general_qt
+
+ACC_RTOL = 2.0 ** -17   # fp8: float32 accumulation over <= 72 window terms, + scaling
+HIGHEST = jax.lax.Precision.HIGHEST
+OQ = C.OperandQuant
+
+
+def _rand(shape, seed, scale=1.0):
+  return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------
+# float64 numpy reference convolution (NHWC x HWIO), any layout via transposes.
+
+
+def _to_nhwc(x, spec):  # spec: "NHWC" / "NCHW"
+  return np.transpose(x, [spec.index(c) for c in "NHWC"])
+
+
+def _to_hwio(w, spec):
+  return np.transpose(w, [spec.index(c) for c in "HWIO"])
+
+
+def np_conv(x, w, layout, strides, padding, rhs_dilation, groups):
+  lspec, rspec, ospec = layout
+  x = _to_nhwc(np.asarray(x, np.float64), lspec)
+  w = _to_hwio(np.asarray(w, np.float64), rspec)
+  n, h, wd, c = x.shape
+  kh, kw, cg, o = w.shape
+  dh, dw = rhs_dilation
+  ekh, ekw = (kh - 1) * dh + 1, (kw - 1) * dw + 1
+  if isinstance(padding, str):
+    pads = jax.lax.padtype_to_pads((h, wd), (ekh, ekw), strides, padding)
+  else:
+    pads = padding
+  x = np.pad(x, ((0, 0), tuple(pads[0]), tuple(pads[1]), (0, 0)))
+  sh, sw = strides
+  oh = (x.shape[1] - ekh) // sh + 1
+  ow = (x.shape[2] - ekw) // sw + 1
+  og = o // groups
+  out = np.zeros((n, oh, ow, o))
+  for i in range(kh):
+    for j in range(kw):
+      patch = x[:, i * dh: i * dh + sh * (oh - 1) + 1: sh, j * dw: j * dw + sw * (ow - 1) + 1: sw, :]
+      for g in range(groups):
+        out[..., g * og:(g + 1) * og] += np.einsum(
+            "nhwc,co->nhwo", patch[..., g * cg:(g + 1) * cg], w[i, j, :, g * og:(g + 1) * og])
+  return np.transpose(out, ["NHWC".index(ch) for ch in ospec])
+
+
+# ----------------------------------------------------------------------------
+# Reference quantization: input per batch element, kernel per output feature.
+
+
+def _specs(lq, rq, layout):
+  lspec, rspec, _ = layout
+  ls = None if lq is None else qarray.QuantizeSpec(
+      qtype=lq.qtype, channelwise_axes=(lspec.index("N"),) if lq.channelwise else (),
+      calibration=lq.calibration)
+  rs = None if rq is None else qarray.QuantizeSpec(
+      qtype=rq.qtype, channelwise_axes=(rspec.index("O"),) if rq.channelwise else (),
+      calibration=rq.calibration)
+  return ls, rs
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _quant_jit(x, spec):
+  q = qarray.quantize(x, spec)
+  return qarray.dequantize(q), q
+
+
+def _quant(x, spec):
+  if spec is None:
+    return np.asarray(x), None
+  xh, q = _quant_jit(jnp.asarray(x), spec)
+  return np.asarray(xh), q
+
+
+def _budget(x, q):
+  x = np.asarray(x, np.float64)
+  if q is None:
+    return np.zeros_like(x)
+  s = np.broadcast_to(np.asarray(q.scale, np.float64), x.shape)  # per-N / per-O / per-tensor
+  if q.qtype.is_float:
+    fi = jnp.finfo(q.qtype.compute_dtype)
+    normal = np.abs(x / s) >= 2.0 ** fi.minexp
+    return np.where(normal, 2.0 ** -(fi.nmant + 1) * np.abs(x),
+                    2.0 ** (fi.minexp - fi.nmant - 1) * s) + 2.0 ** -21 * np.abs(x)
+  return s / 2 + 2.0 ** -21 * np.abs(x)
+
+
+NHWC = ("NHWC", "HWIO", "NHWC")
+NCHW = ("NCHW", "OIHW", "NCHW")
+
+# name -> (layout, x shape, w shape, strides, padding, rhs_dilation, groups, lq, rq)
+CASES = {
+    "nhwc_same_int8": (NHWC, (2, 7, 6, 4), (3, 3, 4, 8), (1, 1), "SAME", (1, 1), 1,
+                       OQ(qtype="int8"), OQ(qtype="int8")),
+    "nchw_stride2_explicit_int8": (NCHW, (2, 4, 9, 8), (6, 4, 3, 2), (2, 2), ((1, 0), (2, 1)), (1, 1), 1,
+                                   OQ(qtype="int8"), OQ(qtype="int8")),
+    "nhwc_dilated_valid_fp8": (NHWC, (2, 8, 8, 3), (2, 3, 3, 5), (1, 1), "VALID", (2, 1), 1,
+                               OQ(qtype="float8_e4m3fn"), OQ(qtype="float8_e4m3fn")),
+    "nhwc_groups2_binary": (NHWC, (2, 6, 6, 8), (3, 3, 4, 6), (1, 1), "SAME", (1, 1), 2,
+                            OQ(qtype="binary", calibration="absmean"),
+                            OQ(qtype="binary", calibration="absmean")),
+    "nchw_groups2_int4w_a8": (NCHW, (3, 4, 7, 7), (4, 2, 3, 3), (1, 2), "SAME", (1, 2), 2,
+                              OQ(qtype="int8"), OQ(qtype="int4")),
+    "nhwc_ternary_w_a8_per_tensor": (NHWC, (2, 5, 5, 4), (3, 3, 4, 4), (2, 1), ((1, 1), (0, 2)), (1, 1), 1,
+                                     OQ(qtype="int8", channelwise=False), OQ(qtype="ternary")),
+    "nhwc_w8_a16": (NHWC, (2, 5, 5, 4), (3, 3, 4, 4), (1, 1), "SAME", (1, 1), 1, None, OQ(qtype="int8")),
+}
+
+
+def _cfg(lq, rq, dl=None, dr=None):
+  return C.ConvGeneralQtConfig(lhs=lq, rhs=rq, dlhs_grad=dl, drhs_grad=dr, implementation="xla")
+
+
+def _conv_args(case):
+  layout, xs, ws, strides, padding, dil, groups, lq, rq = CASES[case]
+  return layout, strides, padding, dil, groups
+
+
+@functools.partial(jax.jit, static_argnames=("case", "cfg"))
+def _op(x, w, case, cfg, key=None):
+  layout, strides, padding, dil, groups = _conv_args(case)
+  return conv_general_qt(x, w, strides, padding, None, dil, layout, groups, config=cfg, key=key)
+
+
+@functools.partial(jax.jit, static_argnames=("case", "cfg"))
+def _op_grads(x, w, ct, case, cfg):
+  return jax.grad(lambda x, w: jnp.sum(_op(x, w, case, cfg) * ct), (0, 1))(x, w)
+
+
+def _lax_conv(x, w, case):
+  layout, strides, padding, dil, groups = _conv_args(case)
+  return jax.lax.conv_general_dilated(x, w, strides, padding, None, dil, layout, groups,
+                                      precision=HIGHEST)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_vs_float64(case):
+  layout, xs, ws, strides, padding, dil, groups, lq, rq = CASES[case]
+  x, w = _rand(xs, 1), _rand(ws, 2, 0.3)
+  out = np.asarray(_op(jnp.asarray(x), jnp.asarray(w), case, _cfg(lq, rq)), np.float64)
+  lspec, rspec = _specs(lq, rq, layout)
+  xh, xq = _quant(x, lspec)
+  wh, wq = _quant(w, rspec)
+  conv = lambda a, b: np_conv(a, b, layout, strides, padding, dil, groups)
+  ref_hat = conv(xh, wh)
+  abs_hat = conv(np.abs(xh), np.abs(wh))
+  assert out.shape == ref_hat.shape
+  assert np.all(np.abs(out - ref_hat) <= ACC_RTOL * abs_hat), np.max(np.abs(out - ref_hat) / abs_hat)
+  kinds = {o.qtype.kind for o in (lq, rq) if o is not None}
+  if kinds <= {"int", "float"}:
+    bound = conv(_budget(x, xq), np.abs(wh)) + conv(np.abs(x), _budget(w, wq)) + ACC_RTOL * abs_hat
+    err = np.abs(out - conv(x, w))
+    assert np.all(err <= bound) and err.max() > 0, np.max(err / bound)
+  # The reference conv itself agrees with lax on the dequantized operands.
+  np.testing.assert_allclose(np.asarray(jax.jit(_lax_conv, static_argnums=2)(xh, wh, case)), ref_hat,
+                             rtol=1e-4, atol=1e-4 * abs_hat.max())
+
+
+def _fq_ste(x, spec):
+  if spec is None:
+    return x
+  return x + jax.lax.stop_gradient(qarray.fake_quantize(x, spec) - x)
+
+
+@functools.partial(jax.jit, static_argnames=("case",))
+def _ref_grads(x, w, ct, case):
+  layout, *_, lq, rq = CASES[case]
+  lspec, rspec = _specs(lq, rq, layout)
+  loss = lambda x, w: jnp.sum(_lax_conv(_fq_ste(x, lspec), _fq_ste(w, rspec), case) * ct)
+  grads = jax.grad(loss, (0, 1))(x, w)
+  # Absolute terms |ct| * |w_hat| and |x_hat| * |ct| (for the error budget).
+  xh = jnp.abs(_fq_ste(x, lspec))
+  wh = jnp.abs(_fq_ste(w, rspec))
+  ax = jax.grad(lambda a: jnp.sum(_lax_conv(a, wh, case) * jnp.abs(ct)))(x)
+  aw = jax.grad(lambda b: jnp.sum(_lax_conv(xh, b, case) * jnp.abs(ct)))(w)
+  return grads, (ax, aw)
+
+
+GRAD_CASES = ["nhwc_same_int8", "nchw_stride2_explicit_int8", "nhwc_groups2_binary",
+              "nhwc_dilated_valid_fp8", "nchw_groups2_int4w_a8", "nhwc_w8_a16"]
+
+
+@pytest.mark.parametrize("case", GRAD_CASES)
+def test_float_backward_matches_fake_quant_ste_reference(case):
+  layout, xs, ws, *_, lq, rq = CASES[case]
+  x, w = jnp.asarray(_rand(xs, 3)), jnp.asarray(_rand(ws, 4, 0.3))
+  ct = jnp.asarray(_rand(_op(x, w, case, _cfg(lq, rq)).shape, 5))
+  gx, gw = _op_grads(x, w, ct, case, _cfg(lq, rq))
+  (rx, rw), (ax, aw) = _ref_grads(x, w, ct, case)
+  assert gx.shape == x.shape and gw.shape == w.shape
+  for g, r, a in ((gx, rx, ax), (gw, rw, aw)):
+    err = np.abs(np.asarray(g, np.float64) - np.asarray(r, np.float64))
+    assert np.all(err <= ACC_RTOL * np.asarray(a, np.float64) + 1e-30), np.max(err / np.asarray(a))
+
+
+@pytest.mark.parametrize("case", ["nhwc_same_int8", "nchw_groups2_int4w_a8"])
+def test_int8_backward_within_budget(case):
+  layout, xs, ws, *_, lq, rq = CASES[case]
+  x, w = jnp.asarray(_rand(xs, 6)), jnp.asarray(_rand(ws, 7, 0.3))
+  ct = jnp.asarray(_rand(_op(x, w, case, _cfg(lq, rq)).shape, 8))
+  cfg = _cfg(lq, rq, C.GradQuant(qtype="int8"), C.GradQuant(qtype="int8"))
+  gx, gw = _op_grads(x, w, ct, case, cfg)
+  (rx, rw), _ = _ref_grads(x, w, ct, case)
+  for g, r in ((gx, rx), (gw, rw)):
+    g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+    rel = np.linalg.norm(g - r) / np.linalg.norm(r)
+    assert 0 < rel <= 2.0 ** -6, rel
+
+
+def test_stochastic_rounding_needs_key_and_is_keyed():
+  case = "nhwc_same_int8"
+  layout, xs, ws, *_, lq, rq = CASES[case]
+  gq = C.GradQuant(qtype="int8", stochastic_rounding="uniform")
+  cfg = _cfg(lq, rq, gq, gq)
+  x, w = jnp.asarray(_rand(xs, 9)), jnp.asarray(_rand(ws, 10, 0.3))
+  with pytest.raises(ValueError, match="key"):
+    conv_general_qt(x, w, (1, 1), "SAME", dimension_numbers=layout, config=cfg)
+  grad = jax.jit(jax.grad(lambda x, w, k: jnp.sum(_op(x, w, case, cfg, k) ** 2), (0, 1)))
+  a, b, c = grad(x, w, jax.random.key(0)), grad(x, w, jax.random.key(0)), grad(x, w, jax.random.key(1))
+  for u, v, t in zip(a, b, c):
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    assert np.any(np.asarray(u) != np.asarray(t))
+
+
+def test_clipped_ste_masks_conv_gradient():
+  case = "nhwc_same_int8"
+  layout, xs, ws, *_ = CASES[case]
+  lq = OQ(qtype="int8", calibration=qarray.Calibration(method="fixed", bound=1.0), estimator="clipped_ste")
+  rq = OQ(qtype="int8", estimator="clipped_ste_unit")
+  x, w = jnp.asarray(_rand(xs, 11, 1.5)), jnp.asarray(_rand(ws, 12, 0.9))
+  ct = jnp.asarray(_rand(_op(x, w, case, _cfg(lq, rq)).shape, 13))
+  gx, gw = _op_grads(x, w, ct, case, _cfg(lq, rq))
+  gx_ste, gw_ste = _op_grads(x, w, ct, case, _cfg(dataclasses.replace(lq, estimator="ste"),
+                                                   dataclasses.replace(rq, estimator="ste")))
+  mx, mw = np.abs(np.asarray(x)) <= 1.0, np.abs(np.asarray(w)) <= 1.0  # fixed bound 1: |x/s| <= 127
+  assert (~mx).any() and (~mw).any()
+  np.testing.assert_array_equal(np.asarray(gx), np.where(mx, np.asarray(gx_ste), 0))
+  np.testing.assert_array_equal(np.asarray(gw), np.where(mw, np.asarray(gw_ste), 0))
+
+
+def test_residuals_are_quantized():
+  case = "nhwc_same_int8"
+  layout, xs, ws, *_, lq, rq = CASES[case]
+  x, w = jnp.asarray(_rand(xs, 14)), jnp.asarray(_rand(ws, 15))
+  _, vjp = jax.vjp(lambda x, w: _op(x, w, case, _cfg(lq, rq)), x, w)
+  leaves = [(l.shape, l.dtype) for l in jax.tree_util.tree_leaves(vjp) if hasattr(l, "shape")]
+  assert (xs, jnp.dtype(jnp.int8)) in leaves and (ws, jnp.dtype(jnp.int8)) in leaves, leaves
+  assert not any(shape in (xs, ws) and jnp.issubdtype(d, jnp.floating) for shape, d in leaves), leaves
+
+
+@pytest.mark.parametrize("qtype,cal", [("int8", "absmax"), ("binary", "absmean")])
+def test_1x1_conv_equals_dense_dot_general_qt(qtype, cal):
+  n, h, wd, c, o = 3, 4, 5, 16, 8
+  x = jnp.asarray(_rand((n, h, wd, c), 16))
+  w = jnp.asarray(_rand((1, 1, c, o), 17, 0.3))
+  # Per-tensor input scales (a conv's input scale is per batch element, a
+  # dense lhs's per row: per tensor is the same for both), per-output kernel.
+  lq = OQ(qtype=qtype, calibration=cal, channelwise=False)
+  rq = OQ(qtype=qtype, calibration=cal)
+  conv = jax.jit(lambda x, w: conv_general_qt(x, w, (1, 1), "VALID", dimension_numbers=NHWC,
+                                              config=_cfg(lq, rq)))
+  dn = (((1,), (0,)), ((), ()))
+  dcfg = C.DotGeneralQtConfig(lhs=lq, rhs=rq, implementation="xla")
+  dense = jax.jit(lambda x, w: dot_general_qt(x.reshape(-1, c), w.reshape(c, o), dn, dcfg).reshape(n, h, wd, o))
+  np.testing.assert_allclose(np.asarray(conv(x, w)), np.asarray(dense(x, w)), rtol=1e-6, atol=1e-6)
+  ct = jnp.asarray(_rand((n, h, wd, o), 18))
+  gc = jax.jit(jax.grad(lambda x, w: jnp.sum(conv(x, w) * ct), (0, 1)))(x, w)
+  gd = jax.jit(jax.grad(lambda x, w: jnp.sum(dense(x, w) * ct), (0, 1)))(x, w)
+  for a, b in zip(gc, gd):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(b)).max())
+
+
+def test_bad_conv_configs_raise():
+  with pytest.raises(ValueError, match="tile_size"):
+    C.ConvGeneralQtConfig(rhs=OQ(qtype="int4", tile_size=32))
+  x, w = jnp.ones((1, 4, 4, 2)), jnp.ones((3, 3, 2, 2))
+  with pytest.raises(ValueError, match="ConvGeneralQtConfig"):
+    conv_general_qt(x, w, (1, 1), "SAME", dimension_numbers=NHWC,
+                    config=C.DotGeneralQtConfig(lhs=OQ(qtype="int8")))
+  with pytest.raises(ValueError, match="lhs_scale"):
+    conv_general_qt(x, w, (1, 1), "SAME", dimension_numbers=NHWC,
+                    config=_cfg(None, OQ(qtype="int8")), lhs_scale=jnp.ones(()))
+
+
+def test_preferred_element_type_and_grad_dtypes():
+  case = "nhwc_same_int8"
+  layout, xs, ws, *_, lq, rq = CASES[case]
+  x = jnp.asarray(_rand(xs, 19)).astype(jnp.bfloat16)
+  w = jnp.asarray(_rand(ws, 20))
+  f = lambda x, w, t=None: conv_general_qt(x, w, (1, 1), "SAME", dimension_numbers=layout,
+                                           preferred_element_type=t, config=_cfg(lq, rq))
+  assert f(x, w.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+  assert f(x, w, jnp.float32).dtype == jnp.float32
+  gx, gw = jax.grad(lambda x, w: jnp.sum(f(x, w, jnp.float32)), (0, 1))(x, w)
+  assert gx.dtype == jnp.bfloat16 and gw.dtype == jnp.float32
+
+
+# Passed-in scales may vary along any axis (as_scale accepts any shape that
+# divides the operand); N == C == 4 here so a per-input-channel scale would
+# also broadcast (silently) against a per-batch output layout.
+SCALE_CASES = {
+    "lhs_per_C": (dict(lhs_scale=np.linspace(0.01, 0.03, 4).reshape(1, 1, 1, 4)), None),
+    "lhs_per_N": (dict(lhs_scale=np.linspace(0.01, 0.03, 4).reshape(4, 1, 1, 1)), None),
+    "lhs_per_H": (dict(lhs_scale=np.linspace(0.01, 0.03, 5).reshape(1, 5, 1, 1)), None),
+    "lhs_scalar": (dict(lhs_scale=np.float32(0.02)), None),
+    "rhs_per_I": (None, dict(rhs_scale=np.linspace(0.002, 0.006, 4).reshape(1, 1, 4, 1))),
+    "rhs_per_O": (None, dict(rhs_scale=np.linspace(0.002, 0.006, 4).reshape(1, 1, 1, 4))),
+}
+
+
+@pytest.mark.parametrize("name", list(SCALE_CASES))
+def test_passed_in_scales_of_any_shape(name):
+  lkw, rkw = SCALE_CASES[name]
+  x, w = _rand((4, 5, 5, 4), 21), _rand((3, 3, 4, 4), 22, 0.3)
+  cfg = _cfg(OQ(qtype="int8"), OQ(qtype="int8"))
+  kw = {k: jnp.asarray(v, jnp.float32) for d in (lkw, rkw) if d for k, v in d.items()}
+  out = np.asarray(conv_general_qt(jnp.asarray(x), jnp.asarray(w), (1, 1), "SAME",
+                                   dimension_numbers=NHWC, config=cfg, **kw), np.float64)
+  lspec, rspec = _specs(OQ(qtype="int8"), OQ(qtype="int8"), NHWC)
+
+  def q_given(v, s):
+    s = np.asarray(s, np.float32)
+    s = s.reshape((1,) * (4 - s.ndim) + s.shape)
+    return np.asarray(qarray.quantize_with_scale(jnp.asarray(v), "int8", jnp.asarray(s)).dequantize())
+
+  xh = q_given(x, kw["lhs_scale"]) if lkw else _quant(x, lspec)[0]
+  wh = q_given(w, kw["rhs_scale"]) if rkw else _quant(w, rspec)[0]
+  conv = lambda a, b: np_conv(a, b, NHWC, (1, 1), "SAME", (1, 1), 1)
+  ref, absref = conv(xh, wh), conv(np.abs(xh), np.abs(wh))
+  assert np.all(np.abs(out - ref) <= ACC_RTOL * absref), np.max(np.abs(out - ref) / absref)
+
+
+def test_learned_input_scale_gets_lsq_gradient():
+  case = "nhwc_same_int8"
+  layout, xs, ws, *_ = CASES[case]
+  lq, rq = OQ(qtype="int8", scale_grad="lsq"), OQ(qtype="int8")
+  x, w = jnp.asarray(_rand(xs, 23)), jnp.asarray(_rand(ws, 24, 0.3))
+  s = jnp.float32(1.5 / 127)  # |x| > 1.5 clips
+  ct = jnp.asarray(_rand((2, 7, 6, 8), 25))
+  f = lambda x, s: jnp.sum(conv_general_qt(x, w, (1, 1), "SAME", dimension_numbers=layout,
+                                           config=_cfg(lq, rq), lhs_scale=s) * ct)
+  gx, gs = jax.grad(f, (0, 1))(x, s)
+  _, rspec = _specs(lq, rq, layout)
+  wh = jnp.asarray(_quant(w, rspec)[0])
+  # d loss / d x_hat (float64 via the numpy conv's transpose = jax vjp in f32 HIGHEST).
+  g_x = np.asarray(jax.grad(lambda a: jnp.sum(_lax_conv(a, wh, case) * ct))(x), np.float64)
+  y = np.asarray(x, np.float64) / float(s)
+  assert (np.abs(y) > 127).any()
+  d = np.where(y > 127, 127.0, np.where(y < -128, -128.0, np.clip(np.round(y), -128, 127) - y))
+  per = g_x * d / np.sqrt(x.size * 127.0)
+  np.testing.assert_allclose(float(gs), per.sum(), rtol=1e-4, atol=1e-5 * np.abs(per).sum())
+  np.testing.assert_allclose(np.asarray(gx), g_x, rtol=1e-4, atol=1e-5 * np.abs(g_x).max())

@@ -1,0 +1,588 @@
+"""qtrain.core.dot_general_qt: forward numerics, gradients, jaxpr, residuals, config errors.
+
+Every op call uses implementation="xla" (the exact XLA reference).
+
+Error budgets:
+  * Forward vs the float64 product of the *reference-quantized* operands
+    (x_hat = dequantize(quantize(x)) with the documented per-channel / per-tile
+    spec): |out - x_hat . w_hat| <= ACC_RTOL * (|x_hat| . |w_hat|). Integer
+    products accumulate exactly in int32; what remains is float32 scaling
+    (and fp8's float32 accumulation over K terms).
+  * Forward vs the float64 product of the *original* operands:
+    x_hat w_hat - x w = (x_hat - x) w_hat + x (w_hat - w), so
+    |out - x . w| <= E_x . |w_hat| + |x| . E_w (+ the term above), with E the
+    per-element quantization budget (int: scale / 2; fp8: 2^-(m+1) |x| or half
+    a subnormal step).
+  * Gradients, float backward: identical math to the fake-quant
+    straight-through reference, so within ACC_RTOL of |g| . |w_hat|.
+  * Gradients, int8 backward (round to nearest): the gradient's quantization
+    error is <= half its step per element; after folding the residual's
+    per-channel scale in, |dlhs - ref| <= (t_i / 2) * sum_n |q_w[j, n]| with
+    t_i = max_n |g[i, n] s_w[n]| / 127 (and the same for drhs).
+"""
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qtrain.core import config as C
+from qtrain.core import qarray
+from qtrain.core.dot_general_qt import dot_general_qt
+
+ACC_RTOL = 2.0 ** -18          # >= K * 2^-24 for K <= 64 (fp8 float32 accumulation) + scaling
+HIGHEST = jax.lax.Precision.HIGHEST
+
+# name -> (dimension_numbers, lhs shape, rhs shape)
+LAYOUTS = {
+    "mk,kn": ((((1,), (0,)), ((), ())), (8, 64), (64, 16)),
+    "bmk,bnk": ((((2,), (2,)), ((0,), (0,))), (2, 8, 64), (2, 16, 64)),
+    "bmk,kn": ((((2,), (0,)), ((), ())), (2, 8, 64), (64, 16)),
+    "mab,abn": ((((1, 2), (0, 1)), ((), ())), (8, 4, 32), (4, 32, 16)),
+}
+
+OQ = C.OperandQuant
+CONFIGS = {
+    "w8a8": (OQ(qtype="int8"), OQ(qtype="int8")),
+    "w4t32a16": (None, OQ(qtype="int4", tile_size=32)),
+    "w4t32a8": (OQ(qtype="int8"), OQ(qtype="int4", tile_size=32)),
+    "w4t64a8t64": (OQ(qtype="int8", tile_size=64), OQ(qtype=jnp.int4, tile_size=64)),
+    "w2a8": (OQ(qtype="int8"), OQ(qtype="int2")),
+    "binary_absmean": (OQ(qtype="binary", calibration="absmean"),
+                       OQ(qtype="binary", calibration="absmean")),
+    "ternary_w_a8": (OQ(qtype="int8"), OQ(qtype="ternary")),
+    "fp8_e4m3": (OQ(qtype="float8_e4m3fn"), OQ(qtype=jnp.float8_e4m3fn)),
+    "per_tensor_int8": (OQ(qtype="int8", channelwise=False), OQ(qtype="int8", channelwise=False)),
+}
+
+
+def _rand(shape, seed, scale=1.0):
+  rng = np.random.default_rng(seed)
+  return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def _free(nd, contract, batch):
+  return tuple(a for a in range(nd) if a not in contract and a not in batch)
+
+
+def ref_spec(oq, nd, contract, batch):
+  """The documented operand spec: per index of every non-contracting axis, tiles on the
+  last contracting axis."""
+  if oq is None:
+    return None
+  cw = tuple(sorted(set(batch) | set(_free(nd, contract, batch)))) if oq.channelwise else ()
+  tiles = {contract[-1]: oq.tile_size} if oq.tile_size else {}
+  return qarray.QuantizeSpec(qtype=oq.qtype, channelwise_axes=cw, tiled_axes=tiles,
+                             calibration=oq.calibration)
+
+
+@functools.partial(jax.jit, static_argnames=("oq", "nd", "contract", "batch"))
+def ref_quant(x, oq, nd, contract, batch):
+  spec = ref_spec(oq, nd, contract, batch)
+  if spec is None:
+    return x, None
+  q = qarray.quantize(x, spec)
+  return qarray.dequantize(q), q
+
+
+def elem_budget(x, q):
+  """Per-element quantization budget E (see the module docstring)."""
+  x = np.asarray(x, np.float64)
+  if q is None:
+    return np.zeros_like(x)
+  s = np.asarray(q.scale, np.float64)
+  for a, (ns, n) in enumerate(zip(s.shape, x.shape)):
+    s = np.repeat(s, n // ns, axis=a) if ns not in (1, n) else s
+  s = np.broadcast_to(s, x.shape)
+  if q.qtype.is_float:
+    fi = jnp.finfo(q.qtype.compute_dtype)
+    normal = np.abs(x / s) >= 2.0 ** fi.minexp
+    return np.where(normal, 2.0 ** -(fi.nmant + 1) * np.abs(x), 2.0 ** (fi.minexp - fi.nmant - 1) * s) \
+        + 2.0 ** -21 * np.abs(x)
+  return s / 2 + 2.0 ** -21 * np.abs(x)
+
+
+def np_dot(a, b, dn):
+  """float64 dot_general through jax's semantics (numpy einsum)."""
+  (lc, rc), (lb, rb) = dn
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  letters = iter("abcdefghijklmnop")
+  la = [None] * a.ndim
+  ra = [None] * b.ndim
+  for i, j in zip(lb, rb):
+    la[i] = ra[j] = next(letters)
+  for i, j in zip(lc, rc):
+    la[i] = ra[j] = next(letters)
+  for i in range(a.ndim):
+    if la[i] is None:
+      la[i] = next(letters)
+  for j in range(b.ndim):
+    if ra[j] is None:
+      ra[j] = next(letters)
+  out = [la[i] for i in lb] + [la[i] for i in range(a.ndim) if i not in lb and i not in lc] + \
+        [ra[j] for j in range(b.ndim) if j not in rb and j not in rc]
+  return np.einsum(f"{''.join(la)},{''.join(ra)}->{''.join(out)}", a, b)
+
+
+def _cfg(lhs, rhs, dlhs=None, drhs=None):
+  return C.DotGeneralQtConfig(lhs=lhs, rhs=rhs, dlhs_grad=dlhs, drhs_grad=drhs, implementation="xla")
+
+
+@functools.partial(jax.jit, static_argnames=("dn", "cfg"))
+def _op(x, w, dn, cfg):
+  return dot_general_qt(x, w, dn, cfg)
+
+
+# ----------------------------------------------------------------------------
+# Forward.
+
+
+# Every config on 'mk,kn' and with batch dims ('bmk,bnk'); the main configs on
+# every layout. (Tile 64 on 'mab,abn', whose last contracting axis is 32 long,
+# must raise: tested below.)
+_MAIN = ("w8a8", "w4t32a8", "binary_absmean", "fp8_e4m3")
+FWD_CASES = ([(n, "mk,kn") for n in CONFIGS] + [(n, "bmk,bnk") for n in CONFIGS] +
+             [(n, l) for n in _MAIN for l in ("bmk,kn", "mab,abn")])
+
+
+@pytest.mark.parametrize("name,layout", FWD_CASES)
+def test_forward_vs_float64(name, layout):
+  dn, ls, rs = LAYOUTS[layout]
+  lq, rq = CONFIGS[name]
+  x = _rand(ls, zlib.crc32(f"{name}/{layout}".encode()) % 1000)
+  w = _rand(rs, zlib.crc32(f"{name}/{layout}".encode()) % 1000 + 1, scale=0.2)
+  (lc, rc), (lb, rb) = dn
+  out = _op(jnp.asarray(x), jnp.asarray(w), dn, _cfg(lq, rq))
+  assert out.dtype == jnp.float32
+  xh, xq = ref_quant(jnp.asarray(x), lq, len(ls), lc, lb)
+  wh, wq = ref_quant(jnp.asarray(w), rq, len(rs), rc, rb)
+  ref_hat = np_dot(xh, wh, dn)
+  abs_hat = np_dot(np.abs(np.asarray(xh)), np.abs(np.asarray(wh)), dn)
+  assert out.shape == ref_hat.shape
+  err_hat = np.abs(np.asarray(out, np.float64) - ref_hat)
+  assert np.all(err_hat <= ACC_RTOL * abs_hat), np.max(err_hat / abs_hat)
+  kinds = {o.qtype.kind for o in (lq, rq) if o is not None}
+  if kinds <= {"int", "float"}:
+    bound = np_dot(elem_budget(x, xq), np.abs(np.asarray(wh)), dn) + \
+        np_dot(np.abs(x), elem_budget(w, wq), dn) + ACC_RTOL * abs_hat
+    err = np.abs(np.asarray(out, np.float64) - np_dot(x, w, dn))
+    assert np.all(err <= bound), np.max(err / bound)
+    # ... and the budget is a real constraint: the quantized product is not exact.
+    assert np.max(err) > 0
+
+
+def test_tile_64_on_32_long_axis_is_rejected():
+  dn, ls, rs = LAYOUTS["mab,abn"]
+  lq, rq = CONFIGS["w4t64a8t64"]
+  with pytest.raises(ValueError, match="tile_size=64"):
+    dot_general_qt(jnp.ones(ls), jnp.ones(rs), dn, _cfg(lq, rq))
+
+
+def test_nan_in_one_row_stays_in_that_row():
+  dn, ls, rs = LAYOUTS["mk,kn"]
+  x = _rand(ls, 1)
+  x[3, 5] = np.nan
+  out = np.asarray(_op(jnp.asarray(x), jnp.asarray(_rand(rs, 2)), dn, _cfg(*CONFIGS["w8a8"])))
+  assert np.all(np.isnan(out[3])) and np.all(np.isfinite(np.delete(out, 3, 0)))
+
+
+def test_binary_all_zero_row_gives_zero_output_and_passes_gradient():
+  # An all-zero activation row (e.g. padding) is binarized with scale 0: its
+  # output row is exactly 0 (not +1 * 1 . w_hat), and clipped_ste lets the
+  # gradient through (x = 0 is inside the range).
+  dn, ls, rs = LAYOUTS["mk,kn"]
+  lq = OQ(qtype="binary", calibration="absmean", estimator="clipped_ste")
+  rq = OQ(qtype="binary", calibration="absmean")
+  x = _rand(ls, 35)
+  x[2] = 0.0
+  w = jnp.asarray(_rand(rs, 36))
+  ct = jnp.asarray(_rand((ls[0], rs[1]), 37))
+  out = np.asarray(_op(jnp.asarray(x), w, dn, _cfg(lq, rq)))
+  np.testing.assert_array_equal(out[2], 0.0)
+  assert np.count_nonzero(np.delete(out, 2, 0)) > 0.5 * out.size  # (a +-1 dot may be 0)
+  gx, _ = _op_grads(jnp.asarray(x), w, ct, dn, _cfg(lq, rq))
+  rx, _ = _ref_grads(jnp.asarray(x), w, ct, dn, lq, rq)
+  np.testing.assert_allclose(np.asarray(gx)[2], np.asarray(rx)[2], rtol=1e-5, atol=1e-6)
+  assert np.all(np.asarray(gx)[2] != 0)
+
+
+# ----------------------------------------------------------------------------
+# Gradients vs a fake-quant straight-through reference.
+
+
+def _fq_ste(x, oq, contract, batch):
+  if oq is None:
+    return x
+  spec = ref_spec(oq, x.ndim, contract, batch)
+  return x + jax.lax.stop_gradient(qarray.fake_quantize(x, spec) - x)
+
+
+@functools.partial(jax.jit, static_argnames=("dn", "lq", "rq"))
+def _ref_grads(x, w, ct, dn, lq, rq):
+  (lc, rc), (lb, rb) = dn
+
+  def loss(x, w):
+    xh, wh = _fq_ste(x, lq, lc, lb), _fq_ste(w, rq, rc, rb)
+    return jnp.sum(jax.lax.dot_general(xh, wh, dn, precision=HIGHEST) * ct)
+
+  return jax.grad(loss, (0, 1))(x, w)
+
+
+def _abs_grads(x, w, ct, dn, lq, rq):
+  """|ct| . |w_hat| and |x_hat| . |ct|: the scale of each gradient's terms."""
+  return tuple(np.asarray(g, np.float64) for g in _abs_grads_jit(x, w, ct, dn, lq, rq))
+
+
+@functools.partial(jax.jit, static_argnames=("dn", "lq", "rq"))
+def _abs_grads_jit(x, w, ct, dn, lq, rq):
+  (lc, rc), (lb, rb) = dn
+  xh = jnp.abs(ref_quant(x, lq, x.ndim, lc, lb)[0])
+  wh = jnp.abs(ref_quant(w, rq, w.ndim, rc, rb)[0])
+  gx = jax.grad(lambda a: jnp.sum(jax.lax.dot_general(a, wh, dn, precision=HIGHEST) * jnp.abs(ct)))(x)
+  gw = jax.grad(lambda b: jnp.sum(jax.lax.dot_general(xh, b, dn, precision=HIGHEST) * jnp.abs(ct)))(w)
+  return gx, gw
+
+
+@functools.partial(jax.jit, static_argnames=("dn", "cfg"))
+def _op_grads(x, w, ct, dn, cfg, key=None):
+  return jax.grad(lambda x, w: jnp.sum(dot_general_qt(x, w, dn, cfg, key=key) * ct), (0, 1))(x, w)
+
+
+GRAD_CASES = ([("w8a8", l) for l in LAYOUTS] +
+              [(n, l) for n in ("w4t32a8", "binary_absmean") for l in ("bmk,bnk", "mab,abn")] +
+              [("fp8_e4m3", "bmk,kn"), ("w4t32a16", "mk,kn")])
+
+
+@pytest.mark.parametrize("name,layout", GRAD_CASES)
+def test_float_backward_matches_fake_quant_ste_reference(name, layout):
+  dn, ls, rs = LAYOUTS[layout]
+  lq, rq = CONFIGS[name]
+  x, w = jnp.asarray(_rand(ls, 3)), jnp.asarray(_rand(rs, 4, 0.2))
+  out_shape = np_dot(np.zeros(ls), np.zeros(rs), dn).shape
+  ct = jnp.asarray(_rand(out_shape, 5))
+  gx, gw = _op_grads(x, w, ct, dn, _cfg(lq, rq))
+  rx, rw = _ref_grads(x, w, ct, dn, lq, rq)
+  ax, aw = _abs_grads(x, w, ct, dn, lq, rq)
+  assert gx.shape == x.shape and gw.shape == w.shape
+  assert np.all(np.abs(np.asarray(gx, np.float64) - np.asarray(rx)) <= ACC_RTOL * ax + 1e-30)
+  assert np.all(np.abs(np.asarray(gw, np.float64) - np.asarray(rw)) <= ACC_RTOL * aw + 1e-30)
+
+
+def _int8_grad_bounds_2d(x, w, ct, lq, rq):
+  """Elementwise bounds of int8 (round-to-nearest) backward products, 'mk,kn'."""
+  dn = LAYOUTS["mk,kn"][0]
+  xq = qarray.quantize(x, ref_spec(lq, 2, (1,), ()))
+  wq = qarray.quantize(w, ref_spec(rq, 2, (0,), ()))
+  g = np.asarray(ct, np.float64)
+  s_w = np.asarray(wq.scale, np.float64)          # (1, n)
+  s_x = np.asarray(xq.scale, np.float64)          # (m, 1)
+  q_w = np.abs(np.asarray(wq.qvalue, np.float64))  # (k, n)
+  q_x = np.abs(np.asarray(xq.qvalue, np.float64))  # (m, k)
+  t = np.max(np.abs(g * s_w), axis=1, keepdims=True) / 127  # (m, 1)
+  bx = (t / 2) * q_w.sum(1)[None, :]                        # (m, k)
+  u = np.max(np.abs(g * s_x), axis=0, keepdims=True) / 127  # (1, n)
+  bw = q_x.sum(0)[:, None] * (u / 2)                        # (k, n)
+  return bx, bw
+
+
+def test_int8_backward_within_rounding_budget_2d():
+  dn, ls, rs = LAYOUTS["mk,kn"]
+  lq, rq = CONFIGS["w8a8"]
+  x, w = jnp.asarray(_rand(ls, 6)), jnp.asarray(_rand(rs, 7, 0.2))
+  ct = jnp.asarray(_rand((ls[0], rs[1]), 8))
+  cfg = _cfg(lq, rq, C.GradQuant(qtype="int8"), C.GradQuant(qtype="int8"))
+  gx, gw = _op_grads(x, w, ct, dn, cfg)
+  rx, rw = _ref_grads(x, w, ct, dn, lq, rq)
+  ax, aw = _abs_grads(x, w, ct, dn, lq, rq)
+  bx, bw = _int8_grad_bounds_2d(x, w, ct, lq, rq)
+  ex = np.abs(np.asarray(gx, np.float64) - np.asarray(rx))
+  ew = np.abs(np.asarray(gw, np.float64) - np.asarray(rw))
+  assert np.all(ex <= bx + ACC_RTOL * ax), np.max(ex / bx)
+  assert np.all(ew <= bw + ACC_RTOL * aw), np.max(ew / bw)
+  assert ex.max() > 0 and ew.max() > 0  # the gradient really was quantized
+
+
+@pytest.mark.parametrize("name,layout", [("w8a8", l) for l in LAYOUTS] +
+                         [("w4t32a8", "mab,abn"), ("fp8_e4m3", "bmk,bnk")])
+def test_quantized_backward_any_layout_within_budget(name, layout):
+  """Any layout, quantized backward vs the float-backward reference, in a layout-free
+  form: relative Frobenius error <= 2^-6 (1.6%) for int8 gradients (per-channel int8
+  rounding gives ~0.5%), <= 2^-4 for fp8 e4m3 gradients (3 mantissa bits: ~3%), and
+  > 0 (the gradient really was quantized)."""
+  dn, ls, rs = LAYOUTS[layout]
+  lq, rq = CONFIGS[name]
+  gq = "float8_e4m3fn" if name.startswith("fp8") else "int8"
+  x, w = jnp.asarray(_rand(ls, 9)), jnp.asarray(_rand(rs, 10, 0.2))
+  out_shape = np_dot(np.zeros(ls), np.zeros(rs), dn).shape
+  ct = jnp.asarray(_rand(out_shape, 11))
+  cfg = _cfg(lq, rq, C.GradQuant(qtype=gq), C.GradQuant(qtype=gq))
+  gx, gw = _op_grads(x, w, ct, dn, cfg)
+  rx, rw = _ref_grads(x, w, ct, dn, lq, rq)
+  tol = 2.0 ** -4 if gq != "int8" else 2.0 ** -6
+  for g, r in ((gx, rx), (gw, rw)):
+    g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+    rel = np.linalg.norm(g - r) / np.linalg.norm(r)
+    assert 0 < rel <= tol, rel
+
+
+def test_stochastic_rounding_grads_need_key_and_are_unbiased():
+  dn, ls, rs = LAYOUTS["mk,kn"]
+  lq, rq = CONFIGS["w8a8"]
+  gq = C.GradQuant(qtype="int8", stochastic_rounding="uniform")
+  cfg = _cfg(lq, rq, gq, gq)
+  x, w = jnp.asarray(_rand(ls, 12)), jnp.asarray(_rand(rs, 13, 0.2))
+  with pytest.raises(ValueError, match="key"):
+    dot_general_qt(x, w, dn, cfg)
+  ct = jnp.asarray(_rand((ls[0], rs[1]), 14) * 0.1)
+  g1 = _op_grads(x, w, ct, dn, cfg, jax.random.key(0))
+  g1b = _op_grads(x, w, ct, dn, cfg, jax.random.key(0))
+  g2 = _op_grads(x, w, ct, dn, cfg, jax.random.key(1))
+  for a, b, c in zip(g1, g1b, g2):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.any(np.asarray(a) != np.asarray(c))
+  # Unbiased: the mean over 16 keys is much closer to the float-backward
+  # reference than a single draw (ideal ratio 1/sqrt(16) = 0.25; bound 0.45).
+  keys = jax.random.split(jax.random.key(2), 16)
+  many = jax.vmap(lambda k: _op_grads(x, w, ct, dn, cfg, k))(keys)
+  ref = _ref_grads(x, w, ct, dn, lq, rq)
+  for m, single, r in zip(many, g1, ref):
+    r = np.asarray(r, np.float64)
+    e_single = np.linalg.norm(np.asarray(single, np.float64) - r)
+    e_mean = np.linalg.norm(np.asarray(m, np.float64).mean(0) - r)
+    assert e_mean <= 0.45 * e_single, (e_mean, e_single)
+  # A raw uint32 key works too.
+  graw = _op_grads(x, w, ct, dn, cfg, jax.random.key_data(jax.random.key(0)))
+  np.testing.assert_array_equal(np.asarray(graw[0]), np.asarray(g1[0]))
+
+
+# ----------------------------------------------------------------------------
+# The jaxpr: w8a8 with int8 backward is three int8 x int8 -> int32 dots.
+
+
+def _all_eqns(jaxpr):
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          yield from _all_eqns(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          yield from _all_eqns(sub)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_jaxpr_w8a8_int8_backward_has_three_int8_dots(layout):
+  dn, ls, rs = LAYOUTS[layout]
+  lq, rq = CONFIGS["w8a8"]
+  cfg = _cfg(lq, rq, C.GradQuant(qtype="int8"), C.GradQuant(qtype="int8"))
+  f = lambda x, w: jnp.sum(dot_general_qt(x, w, dn, cfg) ** 2)
+  jaxpr = jax.make_jaxpr(jax.grad(f, (0, 1)))(jnp.ones(ls), jnp.ones(rs))
+  dots = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+  assert len(dots) == 3, [str(e) for e in dots]
+  for e in dots:
+    assert [v.aval.dtype for v in e.invars] == [jnp.int8, jnp.int8], str(e)
+    assert e.params["preferred_element_type"] == jnp.int32, str(e)
+  assert not any(e.primitive.name in ("conv_general_dilated",) for e in _all_eqns(jaxpr.jaxpr))
+
+
+# ----------------------------------------------------------------------------
+# Residuals are quantized.
+
+
+@pytest.mark.parametrize("estimator", ["ste", "clipped_ste"])
+def test_residuals_are_quantized(estimator):
+  dn, ls, rs = LAYOUTS["bmk,bnk"]
+  cfg = _cfg(OQ(qtype="int8", estimator=estimator), OQ(qtype="int4", tile_size=32, estimator=estimator),
+             C.GradQuant(qtype="int8"), C.GradQuant(qtype="int8"))
+  x, w = jnp.asarray(_rand(ls, 15)), jnp.asarray(_rand(rs, 16))
+  _, vjp = jax.vjp(lambda x, w: dot_general_qt(x, w, dn, cfg), x, w)
+  leaves = jax.tree_util.tree_leaves(vjp)
+  big = [(l.shape, l.dtype) for l in leaves if hasattr(l, "shape") and np.prod(l.shape) >= min(x.size, w.size)]
+  # Operand-sized residuals: the int8 qvalues (and bool masks), never a float copy.
+  assert (ls, jnp.dtype(jnp.int8)) in big and (rs, jnp.dtype(jnp.int8)) in big, big
+  assert not any(jnp.issubdtype(d, jnp.floating) for _, d in big), big
+  nbytes = sum(l.size * l.dtype.itemsize for l in leaves if hasattr(l, "dtype"))
+  # int8 values are 1/4 of the float32 operands (+ 1/4 for a clipped_ste bool mask).
+  assert nbytes < (0.3 if estimator == "ste" else 0.55) * (x.nbytes + w.nbytes), nbytes
+
+
+def test_residuals_keep_float_operand_only_when_unquantized():
+  dn, ls, rs = LAYOUTS["mk,kn"]
+  cfg = _cfg(None, OQ(qtype="int8"))
+  x, w = jnp.asarray(_rand(ls, 17)), jnp.asarray(_rand(rs, 18))
+  _, vjp = jax.vjp(lambda x, w: dot_general_qt(x, w, dn, cfg), x, w)
+  leaves = [(l.shape, l.dtype) for l in jax.tree_util.tree_leaves(vjp) if hasattr(l, "shape")]
+  assert (rs, jnp.dtype(jnp.int8)) in leaves and (rs, jnp.dtype(jnp.float32)) not in leaves
+
+
+# ----------------------------------------------------------------------------
+# Dtypes.
+
+
+def test_preferred_element_type_and_grad_dtypes():
+  dn, ls, rs = LAYOUTS["bmk,kn"]
+  cfg = _cfg(OQ(qtype="int8"), OQ(qtype="int8"), C.GradQuant(qtype="int8"), C.GradQuant(qtype="int8"))
+  xb = jnp.asarray(_rand(ls, 19)).astype(jnp.bfloat16)
+  wb = jnp.asarray(_rand(rs, 20)).astype(jnp.bfloat16)
+  assert dot_general_qt(xb, wb, dn, cfg).dtype == jnp.bfloat16
+  assert dot_general_qt(xb, wb, dn, cfg, preferred_element_type=jnp.float32).dtype == jnp.float32
+  wf = wb.astype(jnp.float32)
+  assert dot_general_qt(xb, wf, dn, cfg).dtype == jnp.float32
+  gx, gw = jax.grad(lambda x, w: jnp.sum(dot_general_qt(x, w, dn, cfg, preferred_element_type=jnp.float32)),
+                    (0, 1))(xb, wf)
+  assert gx.dtype == jnp.bfloat16 and gw.dtype == jnp.float32
+  gx, gw = jax.grad(lambda x, w: jnp.sum(dot_general_qt(x, w, dn, cfg).astype(jnp.float32)), (0, 1))(xb, wb)
+  assert gx.dtype == jnp.bfloat16 and gw.dtype == jnp.bfloat16
+  # bf16 output is the f32 output rounded once.
+  o32 = dot_general_qt(xb, wb, dn, cfg, preferred_element_type=jnp.float32)
+  o16 = dot_general_qt(xb, wb, dn, cfg)
+  np.testing.assert_array_equal(np.asarray(o16, np.float32), np.asarray(o32.astype(jnp.bfloat16), np.float32))
+  with pytest.raises(ValueError, match="preferred_element_type"):
+    dot_general_qt(xb, wb, dn, cfg, preferred_element_type=jnp.int32)
+  with pytest.raises(ValueError, match="lhs"):
+    dot_general_qt(xb.astype(jnp.int32), wb, dn, cfg)
+
+
+def test_unquantized_config_is_a_plain_dot():
+  dn, ls, rs = LAYOUTS["bmk,bnk"]
+  x, w = jnp.asarray(_rand(ls, 21)), jnp.asarray(_rand(rs, 22))
+  cfg = _cfg(None, None)
+  out = dot_general_qt(x, w, dn, cfg, precision=HIGHEST)
+  np.testing.assert_allclose(np.asarray(out), np_dot(x, w, dn), rtol=1e-5, atol=1e-5)
+  gx, gw = jax.grad(lambda x, w: jnp.sum(dot_general_qt(x, w, dn, cfg, precision=HIGHEST) ** 2), (0, 1))(x, w)
+  rx, rw = jax.grad(lambda x, w: jnp.sum(jax.lax.dot_general(x, w, dn, precision=HIGHEST) ** 2), (0, 1))(x, w)
+  np.testing.assert_allclose(np.asarray(gx), np.asarray(rx), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(gw), np.asarray(rw), rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------
+# Estimator masks and learned scales.
+
+
+@pytest.mark.parametrize("qtype,cal", [("int8", qarray.Calibration(method="fixed", bound=1.0)),
+                                       ("int4", qarray.Calibration(method="percentile", percentile=90.0)),
+                                       ("binary", "absmean")])
+def test_clipped_ste_masks_gradient(qtype, cal):
+  dn, ls, rs = LAYOUTS["mk,kn"]
+  lq = OQ(qtype=qtype, calibration=cal, estimator="clipped_ste")
+  rq = OQ(qtype="int8", estimator="clipped_ste_unit")
+  x = jnp.asarray(_rand(ls, 23, 1.5))
+  w = jnp.asarray(_rand(rs, 24, 0.8))
+  ct = jnp.asarray(_rand((ls[0], rs[1]), 25))
+  gx, gw = _op_grads(x, w, ct, dn, _cfg(lq, rq))
+  rx, rw = _ref_grads(x, w, ct, dn, lq, rq)
+  xq = qarray.quantize(x, ref_spec(lq, 2, (1,), ()))
+  y = np.asarray(x) / np.asarray(qarray.expand_scale(xq.scale, ls))
+  mx = np.abs(y) <= xq.qtype.qmax
+  mw = np.abs(np.asarray(w)) <= 1.0
+  assert (~mx).any() and mx.any() and (~mw).any() and mw.any()
+  ax, aw = _abs_grads(x, w, ct, dn, lq, rq)
+  np.testing.assert_array_equal(np.asarray(gx)[~mx], 0)
+  np.testing.assert_array_equal(np.asarray(gw)[~mw], 0)
+  assert np.all(np.abs(np.asarray(gx) - np.where(mx, rx, 0)) <= ACC_RTOL * ax)
+  assert np.all(np.abs(np.asarray(gw) - np.where(mw, rw, 0)) <= ACC_RTOL * aw)
+
+
+@pytest.mark.parametrize("scale_shape", [(), (8, 1), (1, 1)])
+@pytest.mark.parametrize("qtype", ["int8", "int4"])
+def test_learned_lhs_scale_gets_lsq_gradient(qtype, scale_shape):
+  dn, ls, rs = LAYOUTS["mk,kn"]
+  lq = OQ(qtype=qtype, scale_grad="lsq")
+  rq = OQ(qtype="int8")
+  qmin, qmax = float(lq.qtype.qmin), float(lq.qtype.qmax)
+  x = jnp.asarray(_rand(ls, 26))
+  w = jnp.asarray(_rand(rs, 27, 0.2))
+  ct = jnp.asarray(_rand((ls[0], rs[1]), 28))
+  # |x| > ~1.5 clips.
+  s = jnp.asarray((1.0 + 0.2 * np.abs(_rand(scale_shape, 29))) * 1.5 / qmax)
+  cfg = _cfg(lq, rq)
+  gx, gs = jax.grad(lambda x, s: jnp.sum(dot_general_qt(x, w, dn, cfg, lhs_scale=s) * ct), (0, 1))(x, s)
+  assert gs.shape == s.shape and gs.dtype == s.dtype
+  # Direct LSQ: d x_hat / d s = q - x/s inside, the clip value outside, / sqrt(n * qmax).
+  wh = np.asarray(qarray.fake_quantize(w, ref_spec(rq, 2, (0,), ())), np.float64)
+  g_x = np.asarray(ct, np.float64) @ wh.T
+  s2 = np.asarray(s, np.float64).reshape((1,) * (2 - s.ndim) + s.shape)
+  s_full = np.broadcast_to(s2, ls)
+  y = np.asarray(x, np.float64) / s_full
+  q = np.clip(np.round(y), qmin, qmax)
+  assert ((y > qmax) | (y < qmin)).any()
+  d = np.where(y > qmax, qmax, np.where(y < qmin, qmin, q - y))
+  n = x.size // max(int(np.prod(scale_shape)), 1)
+  per = g_x * d / np.sqrt(n * qmax)
+  ref = per.sum(axis=tuple(a for a in range(2) if s2.shape[a] == 1)).reshape(scale_shape)
+  np.testing.assert_allclose(np.asarray(gs), ref, rtol=2e-4, atol=1e-4 * np.abs(per).sum())
+  # The operand gradient is the plain STE one (estimator "ste").
+  np.testing.assert_allclose(np.asarray(gx), g_x, rtol=1e-4, atol=1e-5 * np.abs(g_x).max())
+
+
+def test_learned_binary_activation_scale_gets_bitorch_gradient():
+  dn, ls, rs = LAYOUTS["mk,kn"]
+  lq = OQ(qtype="binary", estimator="clipped_ste", scale_grad="bitorch")
+  rq = OQ(qtype="binary", calibration="absmean")
+  x = jnp.asarray(_rand(ls, 30, 1.0))
+  w = jnp.asarray(_rand(rs, 31, 0.2))
+  ct = jnp.asarray(_rand((ls[0], rs[1]), 32))
+  s = jnp.asarray(0.8, jnp.float32)
+  cfg = _cfg(lq, rq)
+  out, (gx, gs) = jax.value_and_grad(
+      lambda x, s: jnp.sum(dot_general_qt(x, w, dn, cfg, lhs_scale=s) * ct), (0, 1))(x, s)
+  # bitorch-engine: grad_x = g @ (sign(w) * scale_w); clipped where |x / s| > 1;
+  # grad_scale_a = sum(grad_x_clipped * sign(x)) / sqrt(numel(x)).
+  xn, wn = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  sign = lambda v: np.where(v >= 0, 1.0, -1.0)
+  scale_w = np.abs(wn).mean(0, keepdims=True)
+  grad_x = np.asarray(ct, np.float64) @ (sign(wn) * scale_w).T
+  clipped = np.where(np.abs(xn / 0.8) <= 1, grad_x, 0.0)
+  assert (np.abs(xn / 0.8) > 1).any()
+  ref_gs = np.sum(clipped * sign(xn)) / np.sqrt(xn.size)
+  np.testing.assert_allclose(float(gs), ref_gs, rtol=1e-4, atol=1e-5 * np.abs(clipped).sum())
+  np.testing.assert_allclose(np.asarray(gx), clipped, rtol=1e-4, atol=1e-5 * np.abs(grad_x).max())
+  # Forward: sign(x) * s . sign(w) * scale_w.
+  ref_out = np.sum(((sign(xn) * 0.8) @ (sign(wn) * scale_w)) * np.asarray(ct))
+  np.testing.assert_allclose(float(out), ref_out, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------
+# Config validation: every error names its field.
+
+
+def test_bad_configs_raise_naming_the_field():
+  with pytest.raises(ValueError, match="qtype"):
+    OQ(qtype="int3")
+  with pytest.raises(ValueError, match="qtype"):
+    C.GradQuant(qtype="uint8")
+  with pytest.raises(ValueError, match="scale_grad"):
+    OQ(qtype="int8", scale_grad="bitorch")
+  with pytest.raises(ValueError, match="calibration"):
+    OQ(qtype="binary", calibration="minmax")
+  with pytest.raises(ValueError, match="GradQuant.qtype"):
+    C.GradQuant(qtype="binary")
+  with pytest.raises(ValueError, match="GradQuant.qtype"):
+    C.GradQuant(qtype="ternary")
+  with pytest.raises(ValueError, match="calibration"):
+    C.GradQuant(qtype="int8", calibration="minmax")
+  with pytest.raises(ValueError, match="stochastic_rounding"):
+    C.GradQuant(qtype="int8", stochastic_rounding="maybe")
+  with pytest.raises(ValueError, match="tile_size"):
+    OQ(qtype="int4", tile_size=0)
+  with pytest.raises(ValueError, match="estimator"):
+    OQ(qtype="int4", estimator="magic")
+  with pytest.raises(ValueError, match="implementation"):
+    C.DotGeneralQtConfig(implementation="cuda")
+  with pytest.raises(ValueError, match="lhs"):
+    C.DotGeneralQtConfig(lhs="int8")
+  with pytest.raises(ValueError, match="dlhs_grad"):
+    C.DotGeneralQtConfig(dlhs_grad=OQ(qtype="int8"))
+  dn, ls, rs = LAYOUTS["mk,kn"]
+  x, w = jnp.asarray(_rand(ls, 33)), jnp.asarray(_rand(rs, 34))
+  with pytest.raises(ValueError, match=r"config\.rhs\.tile_size=48"):
+    dot_general_qt(x, w, dn, _cfg(OQ(qtype="int8"), OQ(qtype="int4", tile_size=48)))
+  with pytest.raises(ValueError, match=r"lhs_scale"):
+    dot_general_qt(x, w, dn, _cfg(None, OQ(qtype="int8")), lhs_scale=jnp.ones(()))
+  with pytest.raises(ValueError, match="config"):
+    dot_general_qt(x, w, dn, "int8")
+  with pytest.raises(ValueError, match="dimension_numbers"):
+    dot_general_qt(x, w, ((1,), (0,)), _cfg(None, None))

@@ -1,0 +1,60 @@
+"""qtrain.core.qtypes: every qtype by name and by dtype; unknown names fail loudly."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qtrain.core import qtypes
+
+# name -> (kind, bits, qmin, qmax, compute dtype, packable)
+EXPECTED = {
+    "int8": ("int", 8, -128, 127, jnp.int8, True),
+    "int4": ("int", 4, -8, 7, jnp.int8, True),
+    "int2": ("int", 2, -2, 1, jnp.int8, True),
+    "binary": ("binary", 1, -1, 1, jnp.int8, True),
+    "ternary": ("ternary", 2, -1, 1, jnp.int8, True),
+    "float8_e4m3fn": ("float", 8, -448.0, 448.0, jnp.float8_e4m3fn, False),
+    "float8_e5m2": ("float", 8, -57344.0, 57344.0, jnp.float8_e5m2, False),
+}
+
+# qtypes JAX has a dtype for.
+DTYPES = {
+    "int8": [jnp.int8, np.int8, jnp.dtype("int8")],
+    "int4": [jnp.int4, jnp.dtype(jnp.int4)],
+    "int2": [jnp.int2, jnp.dtype(jnp.int2)],
+    "float8_e4m3fn": [jnp.float8_e4m3fn, jnp.dtype(jnp.float8_e4m3fn)],
+    "float8_e5m2": [jnp.float8_e5m2, jnp.dtype(jnp.float8_e5m2)],
+}
+
+
+def test_valid_qtypes_is_exactly_the_documented_set():
+  assert set(qtypes.VALID_QTYPES) == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_name_gives_the_documented_record(name):
+  kind, bits, qmin, qmax, dtype, packable = EXPECTED[name]
+  qt = qtypes.get_qtype(name)
+  assert (qt.name, qt.kind, qt.bits, qt.qmin, qt.qmax) == (name, kind, bits, qmin, qmax)
+  assert qt.compute_dtype == jnp.dtype(dtype)
+  assert qt.packable is packable
+  assert qt.is_float is (kind == "float")
+  assert qt.is_integer_like is (kind != "float")
+  assert str(qt) == name
+  # A QType passes through unchanged.
+  assert qtypes.get_qtype(qt) is qt
+
+
+@pytest.mark.parametrize("name,dtype", [(n, d) for n, ds in DTYPES.items() for d in ds])
+def test_dtype_is_accepted(name, dtype):
+  assert qtypes.get_qtype(dtype) is qtypes.get_qtype(name)
+
+
+@pytest.mark.parametrize("bad", ["int3", "INT8", "fp8", "uint8", "", jnp.float32, jnp.uint8,
+                                 jnp.bfloat16, jnp.float8_e4m3fnuz, 8, None, object()])
+def test_unknown_qtype_raises_value_error_listing_valid_ones(bad):
+  with pytest.raises(ValueError) as e:
+    qtypes.get_qtype(bad)
+  msg = str(e.value)
+  for name in qtypes.VALID_QTYPES:
+    assert repr(name) in msg, (name, msg)

@@ -1,0 +1,218 @@
+"""qtrain.core.rounding: stochastic rounding is unbiased, independent per element, keyed.
+
+Statistical budgets: every check uses a fixed PRNG key (deterministic), and a
+bound of Z_MAX = 4 standard deviations of the sampling noise (sigma computed
+from the Bernoulli variance of each rounding), so a correct implementation
+passes with probability > 0.9999 for any key.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qtrain.core import qtypes, rounding
+
+Z_MAX = 4.0
+INT8 = qtypes.get_qtype("int8")
+METHODS = list(rounding.STOCHASTIC_METHODS)
+LOW_BIT_BIAS = 1.0 / 512  # documented bound of low_bit_uniform, in steps
+
+
+@functools.partial(jax.jit, static_argnames=("qt", "method", "n"))
+def _sr_samples(y, key, qt, method, n):
+  """n independent stochastic roundings of y: shape (n, *y.shape), as float32."""
+  yb = jnp.broadcast_to(y, (n,) + y.shape)
+  return rounding.stochastic_round(yb, qt, key, method=method).astype(jnp.float32)
+
+
+def _int_inputs(m, seed):
+  rng = np.random.default_rng(seed)
+  k = rng.integers(-50, 50, m)
+  f = rng.uniform(0.02, 0.98, m)
+  return (k + f).astype(np.float32)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_int_sr_is_unbiased_and_error_shrinks_like_one_over_sqrt_n(method):
+  y = _int_inputs(512, 0)
+  f = y - np.floor(y)
+  rms = {}
+  for n, key in ((64, 1), (1024, 2)):
+    s = np.asarray(_sr_samples(jnp.asarray(y), jax.random.key(key), INT8, method, n))
+    # Always one of the two integer neighbours.
+    assert np.all((s == np.floor(y)) | (s == np.floor(y) + 1))
+    err = s.mean(0) - y
+    sigma = np.sqrt(f * (1 - f) / n)
+    # Aggregate bias: the mean error over all 512 values is within Z_MAX sigma.
+    bias_sigma = np.sqrt(np.sum(sigma ** 2)) / len(y)
+    extra = LOW_BIT_BIAS if method == "low_bit_uniform" else 0.0
+    assert abs(err.mean()) <= Z_MAX * bias_sigma + extra
+    # Per value: the spread is the Bernoulli spread (rms z ~ 1; 512 values
+    # give it a std of ~0.03, so [0.85, 1.15] is a 5-sigma band).
+    z = err / sigma
+    assert 0.85 <= np.sqrt(np.mean(z ** 2)) <= 1.15 + (0.1 if method == "low_bit_uniform" else 0)
+    rms[n] = np.sqrt(np.mean(err ** 2))
+  # 16x the samples: 4x smaller error (each rms known to ~3%).
+  assert 3.3 <= rms[64] / rms[1024] <= 4.8, rms
+
+
+def test_round_to_nearest_is_biased_where_sr_is_not():
+  y = jnp.full((4096,), 0.3, jnp.float32)
+  assert np.all(np.asarray(rounding.round_nearest(y, INT8)) == 0)  # bias -0.3
+  for method in METHODS:
+    s = np.asarray(rounding.stochastic_round(y, INT8, jax.random.key(3), method=method), np.float64)
+    sigma = np.sqrt(0.3 * 0.7 / y.size)
+    assert abs(s.mean() - 0.3) <= Z_MAX * sigma + (LOW_BIT_BIAS if method == "low_bit_uniform" else 0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sr_is_independent_per_element(method):
+  y = jnp.full((8, 256), 0.5, jnp.float32)
+  s = np.asarray(rounding.stochastic_round(y, INT8, jax.random.key(4), method=method))
+  # Not per row: every row holds both 0 and 1, in about equal numbers.
+  for row in s:
+    assert set(row.tolist()) == {0, 1}
+    assert abs(row.mean() - 0.5) <= Z_MAX * 0.5 / np.sqrt(256)
+  # Rows are not copies of each other.
+  assert len({tuple(r) for r in s}) == 8
+  # Neighbouring elements are uncorrelated (|corr| within Z_MAX / sqrt(n)).
+  a, b = s[:, :-1].ravel() - 0.5, s[:, 1:].ravel() - 0.5
+  assert abs(np.mean(a * b) / 0.25) <= Z_MAX / np.sqrt(a.size)
+  c, d = s[:-1].ravel() - 0.5, s[1:].ravel() - 0.5
+  assert abs(np.mean(c * d) / 0.25) <= Z_MAX / np.sqrt(c.size)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_same_key_same_result_different_key_different(method):
+  y = jnp.asarray(_int_inputs(1024, 5))
+  a = rounding.stochastic_round(y, INT8, jax.random.key(7), method=method)
+  b = rounding.stochastic_round(y, INT8, jax.random.key(7), method=method)
+  c = rounding.stochastic_round(y, INT8, jax.random.key(8), method=method)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert np.mean(np.asarray(a) != np.asarray(c)) > 0.2  # E = 2 f (1 - f) ~ 0.33
+
+
+def test_low_bit_uniform_bias_is_within_documented_bound():
+  # Rounding probabilities are quantized to 1/256 steps: bias <= 1/512 of a
+  # step. Fractions near 0 and 1 (where the sampling sigma is tiny) and at
+  # half-steps of the 1/256 grid (where the bias is largest).
+  fracs = np.array([0.001, 0.003, 1 / 512 - 1e-4, 0.5 + 1 / 512 - 1e-4, 0.25 + 1 / 1024,
+                    0.997, 1 - 1 / 512 + 1e-4], np.float32)
+  n = 1 << 18
+  y = jnp.asarray(3.0 + fracs)
+  s = np.asarray(_sr_samples(y, jax.random.key(9), INT8, "low_bit_uniform", n), np.float64)
+  p_up = (s == 4.0).mean(0)
+  sigma = np.sqrt(np.maximum(p_up * (1 - p_up), 1.0 / n) / n)
+  bias = p_up - fracs.astype(np.float64)
+  assert np.all(np.abs(bias) <= LOW_BIT_BIAS + Z_MAX * sigma), (bias, sigma)
+  # The probability really is quantized (not the 32-bit method): 0.001 < 1/512
+  # never rounds up, 0.003 rounds up with probability 1/256.
+  assert p_up[0] == 0.0
+  assert abs(p_up[1] - 1 / 256) <= Z_MAX * np.sqrt((1 / 256) / n)
+  # ... while "uniform" is unbiased at the same point.
+  u = np.asarray(_sr_samples(y[:1], jax.random.key(9), INT8, "uniform", n))
+  assert abs(u.mean() - float(y[0])) <= Z_MAX * np.sqrt(0.001 / n)
+
+
+def _fp8_grid(dtype):
+  v = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64)
+  return np.unique(v[np.isfinite(v)])
+
+
+def _fp8_inputs(dtype, m, seed):
+  fi = ml_dtypes.finfo(dtype)
+  rng = np.random.default_rng(seed)
+  # Log-uniform over the subnormal and normal range, both signs, plus values
+  # one float32 ulp below powers of two (binade edges).
+  e = rng.uniform(fi.minexp - fi.nmant, np.log2(float(fi.max)) - 0.01, m)
+  y = rng.choice([-1.0, 1.0], m) * 2.0 ** e
+  edges = 2.0 ** rng.integers(fi.minexp - fi.nmant + 1, int(np.log2(float(fi.max))), 32)
+  edges = np.nextafter(edges.astype(np.float32), np.float32(0)) * rng.choice([-1, 1], 32)
+  y = np.concatenate([y.astype(np.float32), edges.astype(np.float32)])
+  # Exactly representable values stay put.
+  return np.concatenate([y, rng.choice(_fp8_grid(dtype), 16).astype(np.float32)])
+
+
+@pytest.mark.parametrize("qtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("method", METHODS)
+def test_fp8_sr_gives_a_neighbour_and_is_unbiased(qtype, method):
+  qt = qtypes.get_qtype(qtype)
+  dtype = qt.compute_dtype.type
+  grid = _fp8_grid(dtype)
+  y = _fp8_inputs(dtype, 256, 11).astype(np.float64)
+  hi = grid[np.searchsorted(grid, y, side="left")]
+  lo = grid[np.searchsorted(grid, y, side="right") - 1]
+  n = 512
+  out = _sr_samples(jnp.asarray(y, jnp.float32), jax.random.key(12), qt, method, n)
+  s = np.asarray(out, np.float64)
+  assert np.all((s == lo) | (s == hi)), y[np.any((s != lo) & (s != hi), axis=0)]
+  step = hi - lo
+  p = np.where(step > 0, (y - lo) / np.where(step > 0, step, 1), 0.0)
+  sigma = step * np.sqrt(p * (1 - p) / n)
+  err = s.mean(0) - y
+  extra = LOW_BIT_BIAS * step if method == "low_bit_uniform" else 0.0
+  # Per value, relative to its own step: aggregate bias within Z_MAX sigma.
+  ok = step > 0
+  zb = (err[ok] / step[ok]).mean()
+  zsig = np.sqrt(np.sum((sigma[ok] / step[ok]) ** 2)) / ok.sum()
+  assert abs(zb) <= Z_MAX * zsig + (LOW_BIT_BIAS if method == "low_bit_uniform" else 0.0)
+  assert np.all(np.abs(err) <= 5.5 * sigma + extra + 1e-30)
+  assert np.all(s[:, ~ok] == y[~ok])  # representable values are exact
+
+
+def test_fp8_sr_clips_to_the_finite_range():
+  qt = qtypes.get_qtype("float8_e4m3fn")
+  y = jnp.array([1e4, -1e4, 460.0, -460.0], jnp.float32)
+  s = np.asarray(rounding.stochastic_round(y, qt, jax.random.key(0)), np.float32)
+  np.testing.assert_array_equal(s, [448, -448, 448, -448])
+
+
+def test_int_sr_clips_and_binary_sr_mean():
+  s = rounding.stochastic_round(jnp.array([300.0, -300.0, 126.5]), INT8, jax.random.key(0))
+  assert np.asarray(s)[:2].tolist() == [127, -128] and int(np.asarray(s)[2]) in (126, 127)
+  binary = qtypes.get_qtype("binary")
+  y = jnp.asarray(np.random.default_rng(1).uniform(-1.5, 1.5, 64).astype(np.float32))
+  n = 2048
+  out = np.asarray(_sr_samples(y, jax.random.key(13), binary, "uniform", n))
+  assert set(np.unique(out).tolist()) <= {-1.0, 1.0}
+  target = np.clip(np.asarray(y), -1, 1)
+  sigma = np.sqrt(np.maximum(1 - target ** 2, 1e-12) / n)
+  assert np.all(np.abs(out.mean(0) - target) <= 5.0 * sigma + 1e-12)
+
+
+def test_round_nearest_is_half_to_even_and_binary_sign():
+  y = jnp.array([0.5, 1.5, 2.5, -0.5, -1.5, 126.7, 200.0, -200.0])
+  np.testing.assert_array_equal(np.asarray(rounding.round_nearest(y, INT8)),
+                                [0, 2, 2, 0, -2, 127, 127, -128])
+  b = rounding.round_nearest(jnp.array([0.0, -0.0, 1e-30, -1e-30, 3.0]), qtypes.get_qtype("binary"))
+  np.testing.assert_array_equal(np.asarray(b), [1, 1, 1, -1, 1])
+
+
+def test_unknown_method_raises():
+  with pytest.raises(ValueError, match="sometimes"):
+    rounding.stochastic_round(jnp.ones(3), INT8, jax.random.key(0), method="sometimes")
+
+
+@pytest.mark.parametrize("qtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_spacing_is_the_grid_spacing_at_binade_edges(qtype):
+  # White-box check of the step stochastic rounding uses: exactly the gap
+  # between the two fp8 neighbours, also one float32 ulp below a power of two
+  # (where a float32 log2 rounds up to the next binade).
+  qt = qtypes.get_qtype(qtype)
+  grid = _fp8_grid(qt.compute_dtype.type)
+  fi = ml_dtypes.finfo(qt.compute_dtype.type)
+  k = np.arange(fi.minexp - fi.nmant + 1, int(np.log2(float(fi.max))) + 1)
+  below = np.nextafter((2.0 ** k).astype(np.float32), np.float32(0))
+  y = np.concatenate([below, -below, _fp8_inputs(qt.compute_dtype.type, 64, 3)[:64]])
+  assert y.dtype == np.float32
+  step = np.asarray(rounding._fp8_spacing(jnp.asarray(y), qt.compute_dtype), np.float64)
+  yd = y.astype(np.float64)
+  hi = grid[np.searchsorted(grid, yd, side="left")]
+  lo = grid[np.searchsorted(grid, yd, side="right") - 1]
+  inexact = hi > lo
+  assert inexact[:2 * len(k)].all()
+  np.testing.assert_array_equal(step[inexact], (hi - lo)[inexact])
