@@ -152,3 +152,10 @@ def test_pack_under_jit():
   v = jax.random.randint(jax.random.key(0), (3, 70), -8, 8).astype(jnp.int8)
   f = jax.jit(lambda v: packing.unpack(packing.pack(v, "int4"), "int4", size=70))
   np.testing.assert_array_equal(np.asarray(f(v)), np.asarray(v))
+
+
+@pytest.mark.parametrize("qtype,bad", [("int4", 9), ("int4", -9), ("int2", 2), ("ternary", 2)])
+def test_pack_rejects_out_of_range_values(qtype, bad):
+  values = np.array([[0, 1, bad, -1]], np.int8)
+  with pytest.raises(ValueError, match=r"do not fit"):
+    packing.pack(values, qtype)

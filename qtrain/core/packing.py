@@ -85,7 +85,8 @@ def pack(values: jax.Array, qtype, *, axis: int = -1) -> jax.Array:
 
   Args:
     values: integer array of quantized values in the qtype's range (for
-      binary, any value > 0 means +1 and anything else -1).
+      binary, any value > 0 means +1 and anything else -1). Concrete arrays
+      are range-checked; under ``jit`` the range is the caller's contract.
     qtype: a packable qtype: ``binary``, ``ternary``, ``int2``, ``int4``,
       ``int8``.
     axis: the axis to pack along (the contracting axis).
@@ -97,6 +98,11 @@ def pack(values: jax.Array, qtype, *, axis: int = -1) -> jax.Array:
   values = jnp.asarray(values)
   if not jnp.issubdtype(values.dtype, jnp.integer):
     raise ValueError(f"pack expects integer quantized values, got dtype {values.dtype}")
+  if not isinstance(values, jax.core.Tracer) and qt.kind != "binary" and values.size:
+    lo, hi = int(jnp.min(values)), int(jnp.max(values))
+    if lo < qt.qmin or hi > qt.qmax:
+      raise ValueError(f"values in [{lo}, {hi}] do not fit {qt.name} "
+                       f"([{int(qt.qmin)}, {int(qt.qmax)}]): they would wrap when packed")
   axis = axis % values.ndim
   vpw = values_per_word(qt.bits)
   n = values.shape[axis]
