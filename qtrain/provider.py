@@ -1,0 +1,435 @@
+"""``QtProvider``: turns (module path, op, rule) into a quantized-training op.
+
+The provider holds an ordered list of :class:`~qtrain.rules.QtRule`; for
+each intercepted op it finds the first matching rule, builds the
+:class:`~qtrain.core.DotGeneralQtConfig` /
+:class:`~qtrain.core.ConvGeneralQtConfig` (forward qtypes of the weight and
+activation operands, gradient qtypes, stochastic rounding), reads or updates
+the op's Flax state (static activation scales, learned activation scale and
+shift) through a small *host* object (one for linen modules, one for nnx
+modules), draws stochastic-rounding keys from the RNG stream
+:data:`RNG_STREAM` (``"quant"``), and calls :func:`qtrain.core.dot_general_qt`
+or :func:`qtrain.core.conv_general_qt`.
+
+It never decides which operand is the weight: the interception layer tells
+it (from the layer's calling convention, or from the identity of the
+module's own parameter), see :mod:`qtrain.model`.
+
+Every op it sees is recorded (path, op id, matched rule, qtypes, status) for
+:func:`qtrain.summary`.
+
+Example:
+  >>> import qtrain
+  >>> p = qtrain.QtProvider([qtrain.QtRule(module_path=".*", weight_qtype="int8")])
+  >>> p.match("Dense_0", "dot_general")[0]
+  0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import threading
+import warnings
+from typing import Any, Callable, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from qtrain import _einsum
+from qtrain import rules as rules_lib
+from qtrain.core import config as cfg_lib
+from qtrain.core import conv_general_qt as _conv_general_qt
+from qtrain.core import dot_general_qt as _dot_general_qt
+from qtrain.core import qarray
+from qtrain.core import qtypes
+
+RNG_STREAM = "quant"
+"""The Flax RNG stream stochastic-rounding keys are drawn from.
+
+linen: ``model.apply(variables, x, rngs={"quant": key})`` (fold the step into
+the key so every step differs: ``jax.random.fold_in(key, step)``). nnx: pass
+``rngs=nnx.Rngs(quant=seed)`` to :func:`qtrain.quantize_model`; the stream's
+counter advances on every call.
+"""
+
+# Op statuses in the records.
+QUANTIZED = "quantized"
+FLOAT_NO_RULE = "float: no rule matched"
+FLOAT_RULE = "float: rule sets no qtype"
+FLOAT_NO_WEIGHT = "float: no weight operand"
+FLOAT_UNSUPPORTED = "float: unsupported form"
+
+
+class Host(Protocol):
+  """Where an op's Flax state lives (a linen module's scope, or an nnx QtOp)."""
+
+  initializing: bool
+  calibrating: bool
+
+  def param(self, name: str, init_fn: Callable[[], jax.Array]) -> jax.Array: ...
+  def stat(self, name: str, init_fn: Callable[[], jax.Array]) -> jax.Array: ...
+  def set_stat(self, name: str, value: jax.Array) -> None: ...
+  def rng_key(self, stream: str, what: str) -> jax.Array | None: ...
+  def missing_rng_message(self, stream: str, what: str) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRecord:
+  """One intercepted op, as listed by :func:`qtrain.summary`."""
+  path: str
+  op_id: str
+  op_name: str
+  rule_index: int | None
+  status: str
+  weight_operand: str | None   # "lhs", "rhs" or None
+  weight_qtype: str | None
+  act_qtype: str | None
+  bwd_qtype: str | None
+  shapes: tuple = ()
+
+
+def _place(v: jax.Array, ndim: int, axes: Sequence[int]) -> jax.Array:
+  """Reshapes ``v`` (shaped like the ``axes`` of an ndim array) to broadcast."""
+  shape = [1] * ndim
+  for a, n in zip(axes, v.shape):
+    shape[a] = n
+  return v.reshape(shape)
+
+
+def init_learned_scale(x: jax.Array, qtype, multiplier: float) -> jax.Array:
+  """``multiplier * mean|x| / sqrt(qmax)`` (1.0 where ``x`` is all zeros)."""
+  qt = qtypes.get_qtype(qtype)
+  m = jnp.mean(jnp.abs(jax.lax.stop_gradient(x).astype(jnp.float32)))
+  s = multiplier * m / math.sqrt(max(float(qt.qmax), 1.0))
+  return jnp.where(m > 0, s, 1.0).astype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _grad_guard(x, message: str):
+  """Identity whose gradient raises ``message`` (when it is traced)."""
+  return x
+
+
+def _grad_guard_fwd(x, message):
+  return x, None
+
+
+def _grad_guard_bwd(message, _, g):
+  raise ValueError(message)
+
+
+_grad_guard.defvjp(_grad_guard_fwd, _grad_guard_bwd)
+
+
+class QtProvider:
+  """Quantized-training provider: an ordered list of rules (first match wins).
+
+  Args:
+    rules: :class:`~qtrain.rules.QtRule` s, most specific first.
+    rng_stream: the Flax RNG stream for stochastic rounding (default
+      ``"quant"``).
+
+  Use it with :func:`qtrain.quantize_model`. After the model has run (``init``
+  or a step), :func:`qtrain.summary` lists what each op got and warns about
+  rules that matched nothing.
+  """
+
+  def __init__(self, rules: Sequence[rules_lib.QtRule], *, rng_stream: str = RNG_STREAM):
+    if isinstance(rules, rules_lib.QtRule):
+      rules = [rules]
+    rules = tuple(rules)
+    for i, r in enumerate(rules):
+      if not isinstance(r, rules_lib.QtRule):
+        raise ValueError(f"rules[{i}]={r!r} must be a qtrain.QtRule")
+    if not isinstance(rng_stream, str) or not rng_stream:
+      raise ValueError(f"rng_stream={rng_stream!r} must be a non-empty string")
+    self.rules = rules
+    self.rng_stream = rng_stream
+    self._records: dict[tuple[str, str], OpRecord] = {}
+    self._warned: set = set()
+    self._lock = threading.Lock()
+
+  def __repr__(self):
+    return f"QtProvider({len(self.rules)} rules, rng_stream={self.rng_stream!r})"
+
+  # Identity semantics: a provider is a static field of the quantized model.
+  __hash__ = object.__hash__
+
+  def __eq__(self, other):
+    return self is other
+
+  # ------------------------------------------------------------------ rules
+
+  def match(self, path: str, op_name: str) -> tuple[int, rules_lib.QtRule] | None:
+    """The first rule matching ``(path, op_name)``, with its index."""
+    return rules_lib.first_match(self.rules, path, op_name)
+
+  @property
+  def needs_rng(self) -> bool:
+    return any(r.needs_rng for r in self.rules)
+
+  # ---------------------------------------------------------------- records
+
+  def record(self, rec: OpRecord) -> None:
+    with self._lock:
+      self._records[(rec.path, rec.op_id)] = rec
+
+  def records(self) -> list[OpRecord]:
+    """Every op seen so far (one entry per module path and op id)."""
+    with self._lock:
+      return list(self._records.values())
+
+  def unused_rules(self) -> list[tuple[int, rules_lib.QtRule]]:
+    """Rules that matched no op seen so far."""
+    used = {r.rule_index for r in self.records()}
+    return [(i, r) for i, r in enumerate(self.rules) if i not in used]
+
+  def warn_once(self, key, message: str) -> None:
+    with self._lock:
+      if key in self._warned:
+        return
+      self._warned.add(key)
+    warnings.warn(message, stacklevel=3)
+
+  def _rec(self, path, op_id, op_name, m, status, w_idx, shapes):
+    rule = m[1] if m else None
+    quant = status == QUANTIZED
+    self.record(OpRecord(
+        path=path, op_id=op_id, op_name=op_name, rule_index=m[0] if m else None, status=status,
+        weight_operand=None if (w_idx is None or w_idx < 0) else ("lhs", "rhs")[w_idx],
+        weight_qtype=rule.weight_qtype if (quant and rule) else None,
+        act_qtype=rule.act_qtype if (quant and rule) else None,
+        bwd_qtype=rule.bwd_qtype if (quant and rule) else None,
+        shapes=tuple(tuple(s) for s in shapes)))
+
+  def note_skipped(self, path: str, op_id: str, op_name: str, status: str, shapes=()) -> None:
+    """Records an op left in float by the interception layer (and warns if a rule wanted it)."""
+    m = self.match(path, op_name)
+    self._rec(path, op_id, op_name, m, status, None, shapes)
+    if m is not None and m[1].quantizes:
+      self.warn_once((path, op_id, status),
+                     f"qtrain: {op_name} in module {path!r} matches rules[{m[0]}] but stays in "
+                     f"float ({status})")
+
+  def _no_weight(self, path, op_id, op_name, m, weight_operand, shapes):
+    self._rec(path, op_id, op_name, m, FLOAT_NO_WEIGHT, None, shapes)
+    if weight_operand is None or weight_operand >= 0:  # not a weightless layer by design
+      self.warn_once((path, op_id, "no-weight"),
+                     f"qtrain: {op_name} in module {path!r} matches rules[{m[0]}] but no operand "
+                     "is one of the module's parameters (e.g. a cast or sliced weight, or two "
+                     "activations), so it stays in float")
+
+  # -------------------------------------------------------------- configs
+
+  def _operand(self, rule, *, weight: bool, given_scale: bool, conv: bool):
+    qt = rule.weight_qtype if weight else rule.act_qtype
+    if qt is None:
+      return None
+    return cfg_lib.OperandQuant(
+        qtype=qt,
+        calibration=rule.weight_calibration_method if weight else rule.act_calibration_method,
+        channelwise=not rule.disable_channelwise_axes,
+        tile_size=None if (conv or (given_scale and not weight)) else rule.tile_size,
+        estimator=rule.weight_estimator if weight else rule.act_estimator,
+        scale_grad=(rule.act_scale_grad if (not weight and rule.act_learnable_scale) else "lsq"))
+
+  def _grad(self, rule):
+    if rule.bwd_qtype is None:
+      return None
+    return cfg_lib.GradQuant(qtype=rule.bwd_qtype, calibration=rule.bwd_calibration_method,
+                             stochastic_rounding=rule.bwd_stochastic_rounding)
+
+  def _act_state(self, host: Host, rule, act, contract_axes):
+    """Applies the learned shift; returns (act, act_scale or None)."""
+    scale = None
+    if rule.act_learnable_shift:
+      shape = tuple(act.shape[a] for a in contract_axes)
+      shift = host.param("act_shift", lambda: jnp.zeros(shape, jnp.float32))
+      act = act + _place(jnp.asarray(shift), act.ndim, contract_axes).astype(act.dtype)
+    if rule.act_learnable_scale:
+      scale = host.param("act_scale",
+                         lambda: init_learned_scale(act, rule.act_qtype, rule.act_scale_init))
+    elif rule.act_static_scale:
+      scale = jax.lax.stop_gradient(self._static_scale(host, rule, act))
+    return act, scale
+
+  def _static_scale(self, host: Host, rule, x):
+    spec = qarray.QuantizeSpec(qtype=rule.act_qtype, channelwise_axes=(),
+                               calibration=rule.act_calibration_method)
+    cur = qarray.calibrate(jax.lax.stop_gradient(x), spec)[0].reshape(())
+    scale = host.stat("act_static_scale", lambda: jnp.zeros((), jnp.float32))
+    count = host.stat("act_static_count", lambda: jnp.zeros((), jnp.float32))
+    if host.calibrating:
+      if rule.act_static_scale_averaging == "ema":
+        d = rule.act_static_scale_ema_decay
+        new = jnp.where(count > 0, d * scale + (1 - d) * cur, cur)
+      else:
+        new = scale + (cur - scale) / (count + 1)
+      host.set_stat("act_static_scale", new)
+      host.set_stat("act_static_count", count + 1)
+      return new
+    # Frozen: the stored scale; before any calibration batch, this batch's scale.
+    return jnp.where(count > 0, scale, cur)
+
+  def _key(self, host: Host, rule, path):
+    """(key, error message if the stream is missing) for stochastic rounding.
+
+    Without the stream the forward still runs (evaluation needs no keys);
+    a gradient through the op then raises the message (see :func:`_grad_guard`).
+    """
+    if not rule.needs_rng:
+      return None, None
+    what = f"{path} (bwd_stochastic_rounding={rule.bwd_stochastic_rounding!r})"
+    key = host.rng_key(self.rng_stream, what)
+    if key is not None:
+      return key, None
+    return jax.random.key(0), host.missing_rng_message(self.rng_stream, what)
+
+  # ------------------------------------------------------------------- ops
+
+  def dot_general(self, host: Host, path: str, op_id: str, lhs, rhs, dimension_numbers,
+                  precision=None, preferred_element_type=None, *, weight_operand: int | None,
+                  fallback: Callable, out_sharding=None, op_name: str = "dot_general",
+                  record_shapes=None):
+    """A dot_general called by module ``path`` (``weight_operand``: 0, 1 or None)."""
+    m = self.match(path, op_name)
+    shapes = record_shapes or (jnp.shape(lhs), jnp.shape(rhs))
+    def float_call():
+      kw = {} if out_sharding is None else {"out_sharding": out_sharding}
+      return fallback(lhs, rhs, dimension_numbers, precision=precision,
+                      preferred_element_type=preferred_element_type, **kw)
+    if m is None or not m[1].quantizes:
+      self._rec(path, op_id, op_name, m, FLOAT_NO_RULE if m is None else FLOAT_RULE, weight_operand,
+                shapes)
+      return float_call()
+    if weight_operand is None or weight_operand < 0:
+      self._no_weight(path, op_id, op_name, m, weight_operand, shapes)
+      return float_call()
+    rule = m[1]
+    if out_sharding is not None:
+      raise NotImplementedError(
+          f"qtrain: {op_name} in module {path!r} was called with out_sharding={out_sharding!r}; "
+          "quantized ops do not take out_sharding (shard the inputs instead)")
+    from qtrain.core import qdot
+    dn = qdot.normalize_dimension_numbers(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
+    ops = [lhs, rhs]
+    a_idx = 1 - weight_operand
+    act, act_scale = ops[a_idx], None
+    if rule.act_qtype is not None:
+      act, act_scale = self._act_state(host, rule, act, dn[0][a_idx])
+      ops[a_idx] = act
+    w_cfg = self._operand(rule, weight=True, given_scale=False, conv=False)
+    a_cfg = self._operand(rule, weight=False, given_scale=act_scale is not None, conv=False)
+    g = self._grad(rule)
+    cfg = cfg_lib.DotGeneralQtConfig(
+        lhs=w_cfg if weight_operand == 0 else a_cfg, rhs=w_cfg if weight_operand == 1 else a_cfg,
+        dlhs_grad=g, drhs_grad=g, implementation=rule.implementation)
+    scales = [None, None]
+    scales[a_idx] = act_scale
+    self._rec(path, op_id, op_name, m, QUANTIZED, weight_operand, shapes)
+    key, missing = self._key(host, rule, path)
+    out = _dot_general_qt(ops[0], ops[1], dn, cfg, precision=precision,
+                          preferred_element_type=preferred_element_type, key=key,
+                          lhs_scale=scales[0], rhs_scale=scales[1])
+    return out if missing is None else _grad_guard(out, missing)
+
+  def einsum(self, host: Host, path: str, op_id: str, subscripts, operands, kwargs, *,
+             weight_operand: int | None, fallback: Callable):
+    """A two-operand einsum, computed as one dot_general (never through jnp.einsum's jit)."""
+    m = self.match(path, "einsum")
+    shapes = tuple(jnp.shape(o) for o in operands)
+    if m is None or not m[1].quantizes:
+      self._rec(path, op_id, "einsum", m, FLOAT_NO_RULE if m is None else FLOAT_RULE,
+                weight_operand, shapes)
+      return fallback(subscripts, *operands, **kwargs)
+    if weight_operand is None or weight_operand < 0:
+      self._no_weight(path, op_id, "einsum", m, weight_operand, shapes)
+      return fallback(subscripts, *operands, **kwargs)
+    plan = _einsum.parse(subscripts, *shapes) if len(operands) == 2 else None
+    extra = {k: v for k, v in kwargs.items()
+             if k not in ("precision", "preferred_element_type", "optimize", "_dot_general",
+                          "out_sharding") and v is not None}
+    if plan is None or extra or kwargs.get("out_sharding") is not None:
+      self._rec(path, op_id, "einsum", m, FLOAT_UNSUPPORTED, weight_operand, shapes)
+      self.warn_once((path, op_id, "einsum"),
+                     f"qtrain: einsum {subscripts!r} in module {path!r} (rules[{m[0]}]) cannot be "
+                     "quantized (needs two operands, no diagonals/broadcasting); it stays in float")
+      return fallback(subscripts, *operands, **kwargs)
+    lhs, rhs = operands
+
+    def dg(l, r, dn):
+      return self.dot_general(host, path, op_id, l, r, dn, kwargs.get("precision"),
+                              kwargs.get("preferred_element_type"),
+                              weight_operand=weight_operand, fallback=jax.lax.dot_general,
+                              op_name="einsum", record_shapes=shapes)
+    return _einsum.run(plan, lhs, rhs, dg)
+
+  def conv_general_dilated(self, host: Host, path: str, op_id: str, lhs, rhs, window_strides,
+                           padding, lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
+                           feature_group_count=1, batch_group_count=1, precision=None,
+                           preferred_element_type=None, *, weight_operand: int | None,
+                           fallback: Callable, out_sharding=None):
+    """A convolution called by module ``path`` (the weight must be the kernel, ``rhs``)."""
+    m = self.match(path, "conv_general_dilated")
+    shapes = (jnp.shape(lhs), jnp.shape(rhs))
+
+    def float_call():
+      kw = {} if out_sharding is None else {"out_sharding": out_sharding}
+      return fallback(lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
+                      rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+                      feature_group_count=feature_group_count, batch_group_count=batch_group_count,
+                      precision=precision, preferred_element_type=preferred_element_type, **kw)
+    if m is None or not m[1].quantizes:
+      self._rec(path, op_id, "conv_general_dilated", m, FLOAT_NO_RULE if m is None else FLOAT_RULE,
+                weight_operand, shapes)
+      return float_call()
+    if weight_operand != 1:
+      self._no_weight(path, op_id, "conv_general_dilated", m, weight_operand, shapes)
+      return float_call()
+    rule = m[1]
+    if out_sharding is not None:
+      raise NotImplementedError(
+          f"qtrain: conv_general_dilated in module {path!r} was called with out_sharding=; "
+          "quantized ops do not take out_sharding")
+    if rule.tile_size is not None:
+      raise ValueError(f"qtrain: rules[{m[0]}] sets tile_size={rule.tile_size} and matches "
+                       f"conv_general_dilated in module {path!r}; convolutions take no tile_size "
+                       "(restrict the rule with op_names=('dot_general', 'einsum'))")
+    cdn = jax.lax.conv_dimension_numbers(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
+    act, act_scale = lhs, None
+    if rule.act_qtype is not None:
+      act, act_scale = self._act_state(host, rule, lhs, (cdn.lhs_spec[1],))
+    cfg = cfg_lib.ConvGeneralQtConfig(
+        lhs=self._operand(rule, weight=False, given_scale=act_scale is not None, conv=True),
+        rhs=self._operand(rule, weight=True, given_scale=False, conv=True),
+        dlhs_grad=self._grad(rule), drhs_grad=self._grad(rule), implementation=rule.implementation)
+    self._rec(path, op_id, "conv_general_dilated", m, QUANTIZED, 1, shapes)
+    key, missing = self._key(host, rule, path)
+    out = _conv_general_qt(
+        act, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+        feature_group_count, batch_group_count, precision, preferred_element_type, config=cfg,
+        key=key, lhs_scale=act_scale)
+    return out if missing is None else _grad_guard(out, missing)
+
+  # -------------------------------------------------------------- summary
+
+  def summary(self) -> str:
+    """A table of every op seen, its rule and qtypes; warns about unused rules."""
+    recs = sorted(self.records(), key=lambda r: (r.path, r.op_id))
+    for i, r in self.unused_rules():
+      warnings.warn(f"qtrain: rules[{i}] (module_path={r.module_path!r}, {r.short()}) matched no "
+                    "op", stacklevel=2)
+    if not recs:
+      warnings.warn("qtrain: no op recorded yet: run the quantized model once (init or a step) "
+                    "before asking for its summary", stacklevel=2)
+    head = ("module path", "op id", "rule", "weight", "w qtype", "a qtype", "g qtype", "status")
+    rows = [head] + [
+        (r.path or "<root>", r.op_id, "-" if r.rule_index is None else str(r.rule_index),
+         r.weight_operand or "-", str(r.weight_qtype or "-"), str(r.act_qtype or "-"),
+         str(r.bwd_qtype or "-"), r.status) for r in recs]
+    widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

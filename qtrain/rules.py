@@ -1,0 +1,270 @@
+"""``QtRule``: which ops of a model are quantized, and how.
+
+A rule matches an op by the ``'/'``-joined path of the Flax module that
+makes the call (``re.fullmatch`` of :attr:`QtRule.module_path`) and by the
+op's name (:attr:`QtRule.op_names`). In a list of rules the first rule that
+matches an op wins; a rule with no qtype at all (``QtRule(module_path=...)``)
+keeps the ops it matches in float (handy for first and last layers).
+
+Field names follow qwix's ``QtRule`` where qwix has the concept
+(``weight_qtype``, ``act_qtype``, ``bwd_qtype``, ``tile_size``,
+``*_calibration_method``, ``act_static_scale``, ``bwd_stochastic_rounding``,
+``disable_channelwise_axes``, ``op_names``); the rest (estimators,
+learnable activation scale and shift, averaging of static scales,
+``implementation``) go where qwix stops.
+
+Rules are validated when built: a combination that cannot be honoured
+raises ``ValueError`` naming the fields.
+
+Example:
+  >>> import qtrain
+  >>> r = qtrain.QtRule(module_path=r".*mlp.*", weight_qtype="int8", act_qtype="int8",
+  ...                   bwd_qtype="int8", bwd_stochastic_rounding="uniform")
+  >>> r.matches("block_0/mlp/Dense_0", "dot_general"), r.needs_rng
+  (True, True)
+  >>> try:
+  ...   qtrain.QtRule(module_path=".*", bwd_stochastic_rounding="uniform")
+  ... except ValueError as e:
+  ...   print(e)
+  Invalid QtRule: bwd_stochastic_rounding='uniform' needs bwd_qtype (it is None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Sequence
+
+from qtrain.core import config as cfg_lib
+from qtrain.core import estimators
+from qtrain.core import qarray
+from qtrain.core import qtypes
+from qtrain.core import rounding
+
+OP_NAMES: tuple[str, ...] = ("dot_general", "einsum", "conv_general_dilated")
+STATIC_SCALE_AVERAGING: tuple[str, ...] = ("mean", "ema")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QtRule:
+  """One quantized-training rule (frozen, keyword-only, validated).
+
+  Matching:
+    module_path: regex, ``re.fullmatch``-ed against the ``'/'``-joined path
+      of the calling Flax module (``""`` is the root module).
+    op_names: the ops this rule applies to, a subset of ``("dot_general",
+      "einsum", "conv_general_dilated")`` (default: all three).
+
+  Forward:
+    weight_qtype: qtype of the weight operand (the layer's parameter), or
+      None to keep it float. Any qtype of :data:`qtrain.core.VALID_QTYPES`.
+    act_qtype: qtype of the activation operand (the non-weight one), or None.
+    tile_size: group-wise scales along the contracting axis (one scale per
+      ``tile_size`` values) for both quantized operands; None: per channel.
+    weight_calibration_method, act_calibration_method: a method name
+      (``absmax``, ``absmean``, ``rms``, ``minmax``, ``fixed``,
+      ``percentile``) or a :class:`qtrain.core.Calibration`.
+    disable_channelwise_axes: one scale per tensor (per tile with
+      ``tile_size``) instead of one per row / output channel.
+    weight_estimator, act_estimator: gradient estimator through the
+      rounding: ``ste``, ``clipped_ste`` or ``clipped_ste_unit``.
+
+  Static activation scale (``quant_stats``):
+    act_static_scale: calibrate the activation scale over batches and keep
+      it in Flax state (linen collection ``"quant_stats"``, nnx
+      :class:`qtrain.QuantStat` variables) instead of calibrating on every
+      batch. One scale per tensor. Updated while calibrating (linen: when
+      ``"quant_stats"`` is mutable in ``apply``; nnx:
+      :func:`qtrain.set_calibrate`), frozen otherwise.
+    act_static_scale_averaging: ``"mean"`` (running mean over all
+      calibration batches) or ``"ema"`` (exponential moving average).
+    act_static_scale_ema_decay: the EMA's decay, in (0, 1).
+
+  Learnable activation scale and shift (bitorch-engine's ``scale_a``,
+  ``bias_a``; trainable params that optax updates):
+    act_learnable_scale: a layer-wise learned activation scale, initialised
+      from the first batch the model sees at init to
+      ``act_scale_init * mean|x| / sqrt(qmax)`` (``2 * mean|x|`` for
+      binary, as bitorch-engine; LSQ's init for intN).
+    act_scale_init: the multiplier above (bitorch-engine: 2.0 symmetric,
+      4.0 asymmetric).
+    act_scale_grad: the learned scale's gradient, ``"lsq"`` (LSQ, any
+      qtype) or ``"bitorch"`` (bitorch-engine's rule, binary only).
+    act_learnable_shift: a learned per-input-feature shift added to the
+      activation before it is quantized (initialised to 0).
+
+  Backward:
+    bwd_qtype: qtype of the incoming gradient in both backward products
+      (int2..int8 or fp8), or None for a float backward.
+    bwd_calibration_method: calibration of the gradient (symmetric methods).
+    bwd_stochastic_rounding: ``None``, ``"uniform"`` or
+      ``"low_bit_uniform"``; keys come from the Flax RNG stream
+      ``"quant"`` (see :data:`qtrain.RNG_STREAM`).
+
+  Where it runs:
+    implementation: ``"auto"``, ``"xla"``, ``"triton"`` or ``"interpret"``.
+  """
+
+  module_path: str = ".*"
+  op_names: Sequence[str] | None = None
+  weight_qtype: object = None
+  act_qtype: object = None
+  tile_size: int | None = None
+  weight_calibration_method: object = "absmax"
+  act_calibration_method: object = "absmax"
+  disable_channelwise_axes: bool = False
+  weight_estimator: str = "ste"
+  act_estimator: str = "ste"
+  act_static_scale: bool = False
+  act_static_scale_averaging: str = "mean"
+  act_static_scale_ema_decay: float = 0.99
+  act_learnable_scale: bool = False
+  act_scale_init: float = 2.0
+  act_scale_grad: str = "lsq"
+  act_learnable_shift: bool = False
+  bwd_qtype: object = None
+  bwd_calibration_method: object = "absmax"
+  bwd_stochastic_rounding: str | None = None
+  implementation: str = "auto"
+
+  def __post_init__(self):
+    errors: list[str] = []
+    # Matching.
+    if not isinstance(self.module_path, str):
+      errors.append(f"module_path={self.module_path!r} must be a regex string")
+    else:
+      try:
+        object.__setattr__(self, "_regex", re.compile(self.module_path))
+      except re.error as e:
+        errors.append(f"module_path={self.module_path!r} is not a valid regex: {e}")
+    if self.op_names is not None:
+      if isinstance(self.op_names, str):
+        object.__setattr__(self, "op_names", (self.op_names,))
+      object.__setattr__(self, "op_names", tuple(self.op_names))
+      bad = [n for n in self.op_names if n not in OP_NAMES]
+      if bad:
+        errors.append(f"op_names={self.op_names!r}: unknown op name(s) {bad}; valid: {list(OP_NAMES)}")
+      if not self.op_names:
+        errors.append("op_names=() matches nothing; use None for all ops")
+    # qtypes.
+    for name in ("weight_qtype", "act_qtype", "bwd_qtype"):
+      v = getattr(self, name)
+      if v is not None:
+        try:
+          object.__setattr__(self, name, qtypes.get_qtype(v).name)
+        except ValueError as e:
+          errors.append(f"{name}: {e}")
+    if self.bwd_qtype is not None and qtypes.get_qtype(self.bwd_qtype).kind in ("binary", "ternary"):
+      errors.append(f"bwd_qtype={self.bwd_qtype!r}: gradients need int2..int8 or fp8")
+    # Calibrations.
+    for name in ("weight_calibration_method", "act_calibration_method", "bwd_calibration_method"):
+      try:
+        object.__setattr__(self, name, qarray.as_calibration(getattr(self, name)))
+      except ValueError as e:
+        errors.append(f"{name}: {e}")
+    if isinstance(self.bwd_calibration_method, qarray.Calibration) and \
+        self.bwd_calibration_method.is_asymmetric:
+      errors.append("bwd_calibration_method='minmax': gradients are quantized symmetrically")
+    for name, qname in (("weight_calibration_method", "weight_qtype"),
+                        ("act_calibration_method", "act_qtype")):
+      cal, qt = getattr(self, name), getattr(self, qname)
+      if isinstance(cal, qarray.Calibration) and cal.is_asymmetric and qt is not None and \
+          qtypes.get_qtype(qt).kind != "int":
+        errors.append(f"{name}='minmax' (asymmetric) needs an integer {qname}, got {qt!r}")
+    # Granularity.
+    if self.tile_size is not None and (isinstance(self.tile_size, bool) or
+                                       not isinstance(self.tile_size, int) or self.tile_size <= 0):
+      errors.append(f"tile_size={self.tile_size!r} must be a positive int or None")
+    if self.tile_size is not None and self.weight_qtype is None and self.act_qtype is None:
+      errors.append(f"tile_size={self.tile_size} is set but weight_qtype and act_qtype are None")
+    # Estimators.
+    for name in ("weight_estimator", "act_estimator"):
+      if getattr(self, name) not in estimators.ESTIMATORS:
+        errors.append(f"{name}={getattr(self, name)!r}; valid: {list(estimators.ESTIMATORS)}")
+    # Static and learnable activation scales.
+    act_cal = self.act_calibration_method
+    if self.act_static_scale:
+      if self.act_qtype is None:
+        errors.append("act_static_scale=True needs act_qtype (it is None)")
+      if isinstance(act_cal, qarray.Calibration) and act_cal.is_asymmetric:
+        errors.append("act_static_scale=True with act_calibration_method='minmax': static "
+                      "scales are symmetric (no zero point)")
+      if self.act_learnable_scale:
+        errors.append("act_static_scale=True and act_learnable_scale=True: pick one")
+    if self.act_static_scale_averaging not in STATIC_SCALE_AVERAGING:
+      errors.append(f"act_static_scale_averaging={self.act_static_scale_averaging!r}; valid: "
+                    f"{list(STATIC_SCALE_AVERAGING)}")
+    if not (isinstance(self.act_static_scale_ema_decay, (int, float)) and
+            0.0 < self.act_static_scale_ema_decay < 1.0):
+      errors.append(f"act_static_scale_ema_decay={self.act_static_scale_ema_decay!r} must be in (0, 1)")
+    if self.act_learnable_scale:
+      if self.act_qtype is None:
+        errors.append("act_learnable_scale=True needs act_qtype (it is None)")
+      if isinstance(act_cal, qarray.Calibration) and act_cal.is_asymmetric:
+        errors.append("act_learnable_scale=True with act_calibration_method='minmax': learned "
+                      "scales are symmetric (use act_learnable_shift for an offset)")
+    if self.act_learnable_shift and self.act_qtype is None:
+      errors.append("act_learnable_shift=True needs act_qtype (it is None)")
+    if not (isinstance(self.act_scale_init, (int, float)) and self.act_scale_init > 0):
+      errors.append(f"act_scale_init={self.act_scale_init!r} must be a number > 0")
+    if self.act_scale_grad not in estimators.SCALE_GRADS:
+      errors.append(f"act_scale_grad={self.act_scale_grad!r}; valid: {list(estimators.SCALE_GRADS)}")
+    elif self.act_scale_grad == "bitorch":
+      if not self.act_learnable_scale:
+        errors.append("act_scale_grad='bitorch' is only used with act_learnable_scale=True")
+      elif self.act_qtype is not None and qtypes.get_qtype(self.act_qtype).kind != "binary":
+        errors.append(f"act_scale_grad='bitorch' is binary's rule; act_qtype is {self.act_qtype!r}")
+    # Backward.
+    if self.bwd_stochastic_rounding is not None:
+      if self.bwd_stochastic_rounding not in rounding.STOCHASTIC_METHODS:
+        errors.append(f"bwd_stochastic_rounding={self.bwd_stochastic_rounding!r}; valid: "
+                      f"{[None, *rounding.STOCHASTIC_METHODS]}")
+      elif self.bwd_qtype is None:
+        errors.append(f"bwd_stochastic_rounding={self.bwd_stochastic_rounding!r} needs bwd_qtype "
+                      "(it is None)")
+    if self.implementation not in cfg_lib.IMPLEMENTATIONS:
+      errors.append(f"implementation={self.implementation!r}; valid: {list(cfg_lib.IMPLEMENTATIONS)}")
+    if not isinstance(self.disable_channelwise_axes, bool):
+      errors.append(f"disable_channelwise_axes={self.disable_channelwise_axes!r} must be a bool")
+    if errors:
+      raise ValueError("Invalid QtRule: " + "; ".join(errors))
+
+  # --------------------------------------------------------------------------
+
+  def matches(self, path: str, op_name: str) -> bool:
+    """Whether this rule applies to op ``op_name`` called by the module at ``path``."""
+    if self.op_names is not None and op_name not in self.op_names:
+      return False
+    return self._regex.fullmatch(path) is not None  # type: ignore[attr-defined]
+
+  @property
+  def quantizes(self) -> bool:
+    """False for a rule that keeps its ops in float (no qtype set)."""
+    return any(q is not None for q in (self.weight_qtype, self.act_qtype, self.bwd_qtype))
+
+  @property
+  def needs_rng(self) -> bool:
+    """Whether ops under this rule draw keys from the ``"quant"`` RNG stream."""
+    return self.bwd_stochastic_rounding is not None
+
+  @property
+  def has_state(self) -> bool:
+    """Whether ops under this rule keep Flax state (static or learned scales)."""
+    return self.act_static_scale or self.act_learnable_scale or self.act_learnable_shift
+
+  def short(self) -> str:
+    """A one-line description: the qtypes set."""
+    parts = [f"w={self.weight_qtype}", f"a={self.act_qtype}", f"g={self.bwd_qtype}"]
+    if self.tile_size:
+      parts.append(f"tile={self.tile_size}")
+    if self.bwd_stochastic_rounding:
+      parts.append(f"sr={self.bwd_stochastic_rounding}")
+    return " ".join(parts)
+
+
+def first_match(rules: Sequence[QtRule], path: str, op_name: str) -> tuple[int, QtRule] | None:
+  """The first rule matching ``(path, op_name)`` and its index, or None."""
+  for i, r in enumerate(rules):
+    if r.matches(path, op_name):
+      return i, r
+  return None
