@@ -13,6 +13,7 @@ Error budgets (as in test_core_dot_general_qt):
 
 import dataclasses
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -378,3 +379,22 @@ def test_learned_input_scale_gets_lsq_gradient():
   per = g_x * d / np.sqrt(x.size * 127.0)
   np.testing.assert_allclose(float(gs), per.sum(), rtol=1e-4, atol=1e-5 * np.abs(per).sum())
   np.testing.assert_allclose(np.asarray(gx), g_x, rtol=1e-4, atol=1e-5 * np.abs(g_x).max())
+
+
+@pytest.mark.parametrize("qtype,lo,hi", [("int8", -127, 127), ("binary", -1, 1)])
+def test_non_cpu_conv_path_is_exact_for_integer_values(qtype, lo, hi):
+  """The float32-HIGHEST path used where XLA cannot lower integer convs (GPU)
+  gives exactly the int32 result for windows within its documented bound."""
+  mod = importlib.import_module("qtrain.core.conv_general_qt")  # the module, for its private helper
+  rng = np.random.default_rng(7)
+  vals = (lambda s: rng.choice([-1, 1], size=s)) if qtype == "binary" else (
+      lambda s: rng.integers(lo, hi + 1, size=s))
+  a = jnp.asarray(vals((2, 9, 9, 64)), jnp.int8)   # window 3*3*64 = 576 <= 1040
+  b = jnp.asarray(vals((3, 3, 64, 8)), jnp.int8)
+  p = dict(window_strides=(1, 1), padding="SAME", lhs_dilation=(1, 1), rhs_dilation=(1, 1),
+           dn=jax.lax.conv_dimension_numbers(a.shape, b.shape, ("NHWC", "HWIO", "NHWC")),
+           feature_group_count=1, batch_group_count=1, precision=None)
+  on_cpu = mod._low_precision_conv(a, b, p, is_float=False, backend="cpu")
+  elsewhere = mod._low_precision_conv(a, b, p, is_float=False, backend="gpu")
+  np.testing.assert_array_equal(np.asarray(on_cpu), np.asarray(elsewhere))
+  assert float(jnp.max(jnp.abs(on_cpu))) > 0

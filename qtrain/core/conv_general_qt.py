@@ -36,6 +36,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from qtrain.core import _lax
 from qtrain.core import config as cfg_lib
 from qtrain.core import qt_operand as dqt
 from qtrain.core import qarray as qa
@@ -43,11 +44,30 @@ from qtrain.core import qdot
 
 
 def _conv(lhs, rhs, p, preferred_element_type):
-  return jax.lax.conv_general_dilated(
+  return _lax.conv_general_dilated(
       lhs, rhs, p["window_strides"], p["padding"], lhs_dilation=p["lhs_dilation"],
       rhs_dilation=p["rhs_dilation"], dimension_numbers=p["dn"],
       feature_group_count=p["feature_group_count"], batch_group_count=p["batch_group_count"],
       precision=p["precision"], preferred_element_type=preferred_element_type)
+
+
+def _low_precision_conv(a, b, p, *, is_float: bool, backend: str | None = None) -> jax.Array:
+  """Convolution of quantized values, accumulated exactly, as float32.
+
+  On the CPU: int8 x int8 -> int32 (fp8 x fp8 -> f32) in XLA. XLA's GPU
+  backend cannot lower integer (or fp8) convolutions, so elsewhere the
+  quantized values are convolved as float32 at HIGHEST precision: every
+  product of int8 values is exact in float32, and so is the sum while it stays
+  below 2**24 in magnitude (guaranteed for windows of up to 1040 int8 x int8
+  values, or 2**24 binary ones; beyond that, only the last float32 bit can
+  differ). ``backend`` (default: ``jax.default_backend()``) picks the path.
+  """
+  p = dict(p, precision=None)
+  a, b = _lax.optimization_barrier((a, b))
+  if (backend or jax.default_backend()) == "cpu":
+    return _conv(a, b, p, jnp.float32 if is_float else jnp.int32).astype(jnp.float32)
+  p["precision"] = jax.lax.Precision.HIGHEST
+  return _conv(a.astype(jnp.float32), b.astype(jnp.float32), p, jnp.float32)
 
 
 def _quantized_conv(lq, rq, p, out_dtype):
@@ -62,8 +82,7 @@ def _quantized_conv(lq, rq, p, out_dtype):
   if (both and lq.qtype.is_float == rq.qtype.is_float and lq.zero_point is None
       and rq.zero_point is None and varies_only(lq.scale, lhs_spec[0])
       and varies_only(rq.scale, rhs_spec[0])):
-    acc_dtype = jnp.float32 if lq.qtype.is_float else jnp.int32
-    acc = _conv(lq.qvalue, rq.qvalue, dict(p, precision=None), acc_dtype).astype(jnp.float32)
+    acc = _low_precision_conv(lq.qvalue, rq.qvalue, p, is_float=lq.qtype.is_float)
     nd = acc.ndim
     def to_out(s, axis_in, axis_out):
       v = s.reshape(-1)  # varies along axis_in only (or is one value)
@@ -76,6 +95,8 @@ def _quantized_conv(lq, rq, p, out_dtype):
     return (acc * ls * rs).astype(out_dtype)
   lf = lq.dequantize(jnp.float32) if qdot.is_quantized(lq) else lq
   rf = rq.dequantize(jnp.float32) if qdot.is_quantized(rq) else rq
+  if p["precision"] is None:
+    p = dict(p, precision=jax.lax.Precision.HIGHEST)  # float32 math, not TF32 on GPUs
   return _conv(lf, rf, p, jnp.float32).astype(out_dtype)
 
 
@@ -114,8 +135,9 @@ def _bwd(p, config, out_dtype, meta, res, g):
   # dlhs: per-batch-element gradient scales; drhs: per-output-feature.
   g_l = _fake_grad(g, config.dlhs_grad, k_l, (out_spec[0],))
   g_r = _fake_grad(g, config.drhs_grad, k_r, (out_spec[1],))
-  _, vjp_l = jax.vjp(lambda a: _conv(a, rf, dict(p, precision=None), jnp.float32), lf)
-  _, vjp_r = jax.vjp(lambda b: _conv(lf, b, dict(p, precision=None), jnp.float32), rf)
+  exact = dict(p, precision=jax.lax.Precision.HIGHEST)  # float32 math, not TF32 on GPUs
+  _, vjp_l = jax.vjp(lambda a: _conv(a, rf, exact, jnp.float32), lf)
+  _, vjp_r = jax.vjp(lambda b: _conv(lf, b, exact, jnp.float32), rf)
   (lhs_bar,), (rhs_bar,) = vjp_l(g_l), vjp_r(g_r)
   lhs_bar, ls_bar = dqt.finish_operand_grad(lhs_bar, lres, config.lhs, ldtype)
   rhs_bar, rs_bar = dqt.finish_operand_grad(rhs_bar, rres, config.rhs, rdtype)

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qtrain.core import _lax
 from qtrain.core import config as cfg_lib
 from qtrain.core import qarray as qa
 from qtrain.core import qdot
@@ -144,7 +145,7 @@ def _forward(lhs, rhs, lhs_scale, rhs_scale, dn, config, precision, out_dtype):
   rres = quantize_operand(rhs, config.rhs, rhs_scale, _channel_axes(rhs.ndim, rc, rb),
                           rc[-1] if rc else None, "rhs")
   if config.lhs is None and config.rhs is None:
-    out = jax.lax.dot_general(lhs, rhs, dn, precision=precision, preferred_element_type=out_dtype)
+    out = _lax.dot_general(lhs, rhs, dn, precision=precision, preferred_element_type=out_dtype)
   else:
     out = dispatch.quantized_dot_general(lres.value, rres.value, dn, preferred_element_type=out_dtype,
                                          implementation=config.implementation)

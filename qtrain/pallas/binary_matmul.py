@@ -24,6 +24,8 @@ import warnings
 from typing import Literal
 
 import jax
+
+from qtrain.core import _lax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -189,9 +191,9 @@ def binary_matmul_reference(x: jax.Array, w_values: jax.Array, *, w_scale=None, 
   w = jnp.where(w_values > 0, 1, -1).astype(jnp.int8)
   dims = (((1,), (1,)), ((), ()))
   if x.dtype == jnp.int8:
-    acc = lax.dot_general(x, w, dims, preferred_element_type=jnp.int32)
+    acc = _lax.dot_general(x, w, dims, preferred_element_type=jnp.int32)
   else:
-    acc = lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32), dims,
+    acc = _lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32), dims,
                           precision=lax.Precision.HIGHEST)
   ws = None if w_scale is None else jnp.broadcast_to(
       jnp.asarray(w_scale, jnp.float32).reshape(-1), (w.shape[0],))[None, :]

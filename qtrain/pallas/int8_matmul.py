@@ -8,6 +8,8 @@ The int32 accumulation is exact; the epilogue casts to f32 and scales.
 from __future__ import annotations
 
 import jax
+
+from qtrain.core import _lax
 import jax.numpy as jnp
 from jax import lax
 
@@ -73,7 +75,7 @@ def int8_matmul(x: jax.Array, w: jax.Array | PreparedWeight, *, x_scale=None, w_
 def int8_matmul_reference(x: jax.Array, w: jax.Array, *, x_scale=None, w_scale=None,
                           out_dtype=jnp.float32) -> jax.Array:
   """Pure-jnp reference: exact int32 dot, then the same f32 epilogue."""
-  acc = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+  acc = _lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
   ws = None if w_scale is None else jnp.broadcast_to(
       jnp.asarray(w_scale, jnp.float32).reshape(-1), (w.shape[0],))[None, :]
   return _qmatmul.epilogue_reference(acc, a_scale=_qmatmul.as_row_scale(x_scale, x.shape[0]),

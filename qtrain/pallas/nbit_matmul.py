@@ -18,6 +18,8 @@ sum is exact.
 from __future__ import annotations
 
 import jax
+
+from qtrain.core import _lax
 import jax.numpy as jnp
 from jax import lax
 
@@ -113,7 +115,7 @@ def nbit_matmul_reference(x: jax.Array, w_values: jax.Array, *, w_scale=None,
   prec = None if is_int else lax.Precision.HIGHEST
   a_scale = _qmatmul.as_row_scale(x_scale, m)
   if group_size is None:
-    acc = lax.dot_general(xc, wc, (((1,), (1,)), ((), ())), preferred_element_type=acc_t,
+    acc = _lax.dot_general(xc, wc, (((1,), (1,)), ((), ())), preferred_element_type=acc_t,
                           precision=prec)
     ws = None if w_scale is None else jnp.broadcast_to(
         jnp.asarray(w_scale, jnp.float32).reshape(-1), (n,))[None, :]

@@ -1,0 +1,189 @@
+"""Training-step benchmark: bf16 vs qtrain QT (int8, fp8, binary) vs qwix QT, side by side.
+
+An MLP stack (4 blocks of Dense(D->F) + gelu + Dense(F->D) + residual, bf16 params
+and activations) at T tokens; one step = value_and_grad + optax SGD update. Steps
+run inside ONE jit (a ``lax.fori_loop`` carrying the params, so nothing can be
+hoisted) and the time is divided by the step count; median of ``--repeats``.
+
+Run on the GPU machine (qwix travels as a wheel in .whl/):
+
+  PYTHONPATH=. python benchmarks/train_step.py --widths 1024,4096 --tokens 8192
+
+Prints a markdown table and appends it to benchmarks/RESULTS.md (with --append).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import qtrain  # noqa: E402
+
+
+class Block(nn.Module):
+  width: int
+  hidden: int
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(self.hidden, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, name="up")(x)
+    h = nn.gelu(h)
+    return x + nn.Dense(self.width, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, name="down")(h)
+
+
+class MLP(nn.Module):
+  width: int
+  hidden: int
+  depth: int = 4
+
+  @nn.compact
+  def __call__(self, x):
+    for i in range(self.depth):
+      x = Block(self.width, self.hidden, name=f"mlp_{i}")(x)
+    return x
+
+
+def qtrain_rules(name: str):
+  common = dict(module_path=r".*")
+  if name == "qtrain_int8":
+    return [qtrain.QtRule(**common, weight_qtype="int8", act_qtype="int8", bwd_qtype="int8",
+                          bwd_stochastic_rounding="uniform")]
+  if name == "qtrain_int8_fwd":
+    return [qtrain.QtRule(**common, weight_qtype="int8", act_qtype="int8")]
+  if name == "qtrain_fp8":
+    return [qtrain.QtRule(**common, weight_qtype="float8_e4m3fn", act_qtype="float8_e4m3fn",
+                          bwd_qtype="float8_e5m2", bwd_stochastic_rounding="uniform")]
+  if name == "qtrain_binary":
+    return [qtrain.QtRule(**common, weight_qtype="binary", act_qtype="binary",
+                          weight_calibration_method="absmean", act_calibration_method="absmean")]
+  raise ValueError(name)
+
+
+def qwix_model(model, name):
+  import qwix  # carried as a wheel
+  if name == "qwix_int8":
+    rule = qwix.QtRule(module_path=".*", weight_qtype="int8", act_qtype="int8", bwd_qtype="int8",
+                       bwd_stochastic_rounding="uniform")
+  elif name == "qwix_int8_fwd":
+    rule = qwix.QtRule(module_path=".*", weight_qtype="int8", act_qtype="int8")
+  elif name == "qwix_fp8":
+    rule = qwix.QtRule(module_path=".*", weight_qtype="float8_e4m3fn", act_qtype="float8_e4m3fn",
+                       bwd_qtype="float8_e5m2")
+  else:
+    raise ValueError(name)
+  return qwix.quantize_model(model, qwix.QtProvider([rule]))
+
+
+def build(name, width, hidden):
+  """Returns (model, name of the RNG stream its stochastic rounding draws from, or None)."""
+  model = MLP(width, hidden)
+  if name == "bf16":
+    return model, None
+  if name.startswith("qwix"):
+    return qwix_model(model, name), "stochastic_rounding"
+  return qtrain.quantize_model(model, qtrain.QtProvider(qtrain_rules(name))), qtrain.RNG_STREAM
+
+
+def time_config(name, width, hidden, tokens, steps, repeats):
+  model, stream = build(name, width, hidden)
+  kx, kt, kp = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(kx, (tokens, width), jnp.bfloat16)
+  target = jax.random.normal(kt, (tokens, width), jnp.bfloat16)
+  rngs = {"params": kp, stream: kp} if stream else {"params": kp}
+  variables = model.init(rngs, x)
+  params = variables["params"]
+  rest = {k: v for k, v in variables.items() if k != "params"}
+  tx = optax.sgd(1e-4)
+  opt_state = tx.init(params)
+
+  def loss_fn(p, key):
+    kw = {"rngs": {stream: key}} if stream else {}
+    y = model.apply({"params": p, **rest}, x, **kw)
+    return jnp.mean(jnp.square(y.astype(jnp.float32) - target.astype(jnp.float32)))
+
+  def one_step(i, carry):
+    p, s, key = carry
+    key, sub = jax.random.split(key)
+    loss, g = jax.value_and_grad(loss_fn)(p, sub)
+    upd, s = tx.update(g, s, p)
+    return optax.apply_updates(p, upd), s, key
+
+  @jax.jit
+  def run(p, s, key):
+    return jax.lax.fori_loop(0, steps, one_step, (p, s, key))
+
+  key = jax.random.key(1)
+  out = run(params, opt_state, key)  # compile + warm up
+  jax.block_until_ready(out)
+  times = []
+  for r in range(repeats):
+    t0 = time.perf_counter()
+    out = run(params, opt_state, jax.random.key(2 + r))
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / steps * 1e3)
+  final_loss = float(loss_fn(out[0], key))
+  return statistics.median(times), final_loss
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--widths", default="1024,4096")
+  ap.add_argument("--tokens", type=int, default=8192)
+  ap.add_argument("--steps", type=int, default=10)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--configs", default="bf16,qtrain_int8,qtrain_int8_fwd,qtrain_fp8,qtrain_binary,qwix_int8,qwix_fp8")
+  ap.add_argument("--append", default="", help="append the table to this RESULTS.md")
+  ap.add_argument("--json", default="")
+  args = ap.parse_args()
+  rows = []
+  for w in [int(v) for v in args.widths.split(",")]:
+    base = None
+    for name in args.configs.split(","):
+      try:
+        ms, loss = time_config(name, w, 4 * w, args.tokens, args.steps, args.repeats)
+      except Exception as e:  # report, keep going: one config failing must not hide the others
+        print(f"{name} D={w}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        rows.append(dict(config=name, D=w, F=4 * w, ms=None, speedup=None, loss=None,
+                         error=f"{type(e).__name__}: {str(e)[:200]}"))
+        continue
+      if name == "bf16":
+        base = ms
+      sp = base / ms if base else None
+      rows.append(dict(config=name, D=w, F=4 * w, ms=ms, speedup=sp, loss=loss))
+      print(f"{name:18s} D={w:5d} {ms:9.3f} ms/step  {sp if sp else float('nan'):5.2f}x  loss {loss:.4f}",
+            flush=True)
+  dev = jax.devices()[0].device_kind
+  lines = [f"\n### Training step, {datetime.date.today()}, {dev}, jax {jax.__version__}",
+           f"`{' '.join(['python'] + sys.argv)}` (T={args.tokens}, {args.steps} steps in one jit, "
+           f"median of {args.repeats})\n",
+           "| config | D | F | ms/step | vs bf16 | final loss |", "|---|---|---|---|---|---|"]
+  for r in rows:
+    if r["ms"] is None:
+      lines.append(f"| {r['config']} | {r['D']} | {r['F']} | failed: {r['error']} | | |")
+    else:
+      sp = f"{r['speedup']:.2f}x" if r["speedup"] else "n/a"
+      lines.append(f"| {r['config']} | {r['D']} | {r['F']} | {r['ms']:.3f} | {sp} | {r['loss']:.4f} |")
+  table = "\n".join(lines)
+  print(table)
+  if args.append:
+    with open(args.append, "a") as f:
+      f.write(table + "\n")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
