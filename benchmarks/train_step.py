@@ -92,7 +92,7 @@ def build(name, width, hidden):
   if name == "bf16":
     return model, None
   if name.startswith("qwix"):
-    return qwix_model(model, name), "stochastic_rounding"
+    return qwix_model(model, name), "stochastic_rounding" if name == "qwix_int8" else None
   return qtrain.quantize_model(model, qtrain.QtProvider(qtrain_rules(name))), qtrain.RNG_STREAM
 
 
@@ -108,32 +108,33 @@ def time_config(name, width, hidden, tokens, steps, repeats):
   tx = optax.sgd(1e-4)
   opt_state = tx.init(params)
 
-  def loss_fn(p, key):
+  def loss_fn(p, key, x, target):
     kw = {"rngs": {stream: key}} if stream else {}
     y = model.apply({"params": p, **rest}, x, **kw)
     return jnp.mean(jnp.square(y.astype(jnp.float32) - target.astype(jnp.float32)))
 
-  def one_step(i, carry):
-    p, s, key = carry
-    key, sub = jax.random.split(key)
-    loss, g = jax.value_and_grad(loss_fn)(p, sub)
-    upd, s = tx.update(g, s, p)
-    return optax.apply_updates(p, upd), s, key
-
+  # x and target are arguments, not closed-over constants: XLA would otherwise
+  # constant-fold (precompute) the first layer's input quantization.
   @jax.jit
-  def run(p, s, key):
+  def run(p, s, key, x, target):
+    def one_step(i, carry):
+      p, s, key = carry
+      key, sub = jax.random.split(key)
+      loss, g = jax.value_and_grad(loss_fn)(p, sub, x, target)
+      upd, s = tx.update(g, s, p)
+      return optax.apply_updates(p, upd), s, key
     return jax.lax.fori_loop(0, steps, one_step, (p, s, key))
 
   key = jax.random.key(1)
-  out = run(params, opt_state, key)  # compile + warm up
+  out = run(params, opt_state, key, x, target)  # compile + warm up
   jax.block_until_ready(out)
   times = []
   for r in range(repeats):
     t0 = time.perf_counter()
-    out = run(params, opt_state, jax.random.key(2 + r))
+    out = run(params, opt_state, jax.random.key(2 + r), x, target)
     jax.block_until_ready(out)
     times.append((time.perf_counter() - t0) / steps * 1e3)
-  final_loss = float(loss_fn(out[0], key))
+  final_loss = float(jax.jit(loss_fn)(out[0], key, x, target))
   return statistics.median(times), final_loss
 
 

@@ -21,8 +21,18 @@ pytestmark = [
     pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
 ]
 
-# The same quantized math on two backends: only float32 summation order differs.
+# The same quantized math on two backends: only float32 summation order differs,
+# so forward and float-backward results agree to float32 rounding.
 BUDGET = 1e-5
+# Hopper's fp8 tensor cores accumulate with reduced precision (measured on an H200,
+# jax 0.11.2, 256x512x128: forward 7.5e-5 from the CPU's exact float32 accumulation).
+FP8_FWD_BUDGET = 5e-4
+# Behind a quantized incoming gradient, a one-ulp forward difference can move an
+# element of the gradient across a rounding boundary: one int8 step (1/127 of its
+# row's absmax) or one e5m2 step (a quarter of its value). Measured on an H200:
+# int8 gradients 1.6e-4 (w8a8, tile 16), e5m2 gradients 1.9e-3 (fp8).
+INT8_GRAD_BUDGET = 2e-3
+FP8_GRAD_BUDGET = 1e-2
 
 
 def _rel(a, b):
@@ -62,11 +72,14 @@ def test_dot_general_qt_gpu_matches_cpu(name, shape):
   dn = (((1,), (0,)), ((), ()))
   fwd = lambda x, w: qc.dot_general_qt(x, w, dn, cfg)
   grads = jax.grad(lambda x, w: jnp.sum(fwd(x, w) ** 2), (0, 1))
+  fwd_budget = FP8_FWD_BUDGET if name == "fp8" else BUDGET
+  grad_budget = {"fp8": FP8_GRAD_BUDGET, "w8a8_int8_grads": INT8_GRAD_BUDGET,
+                 "w8a8_tile16": INT8_GRAD_BUDGET}.get(name, BUDGET)
   (g_out, c_out) = _both(fwd, x, w)
-  assert _rel(g_out, c_out) < BUDGET
+  assert _rel(g_out, c_out) < fwd_budget
   g_g, c_g = _both(grads, x, w)
   for a, b in zip(g_g, c_g):
-    assert _rel(a, b) < BUDGET
+    assert _rel(a, b) < grad_budget
 
 
 @pytest.mark.parametrize("qtype", ["int8", "binary", "float8_e4m3fn"])
