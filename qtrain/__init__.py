@@ -18,8 +18,11 @@ optax or ``nnx.Optimizer`` exactly as the float model::
 Public API: :class:`QtRule`, :class:`QtProvider`, :func:`quantize_model`,
 :func:`summary`, :func:`set_calibrate`, the nnx state types
 (:class:`QtOp`, :class:`QuantStat`, :class:`ActScale`, :class:`ActShift`),
-:data:`RNG_STREAM` (``"quant"``), and :mod:`qtrain.core` (numerics and the
-QT ops, re-exported below).
+:data:`RNG_STREAM` (``"quant"``), :mod:`qtrain.binary` (bitorch-engine / larq /
+XNOR / MPQ presets), :mod:`qtrain.qlayers`, :mod:`qtrain.optim` (optax
+transforms: latent clipping, Bop, stochastic low-bit weight storage),
+:mod:`qtrain.freeze` (packed export and inference), and :mod:`qtrain.core`
+(numerics and the QT ops, re-exported below).
 """
 
 from qtrain import core
@@ -31,6 +34,7 @@ from qtrain.model import (ActScale, ActShift, QtLinenModel, QtOp, QuantStat, qua
                           set_calibrate, summary)
 from qtrain.provider import RNG_STREAM, OpRecord, QtProvider
 from qtrain.rules import OP_NAMES, QtRule
+from qtrain import binary, freeze, optim, qlayers  # noqa: E402  (they build on the names above)
 
 __version__ = "0.1.0"
 
@@ -38,6 +42,8 @@ __all__ = [
     # Rules, provider, models.
     "QtRule", "QtProvider", "quantize_model", "summary", "set_calibrate", "RNG_STREAM",
     "OP_NAMES", "OpRecord", "QtLinenModel", "QtOp", "QuantStat", "ActScale", "ActShift",
+    # Binary / low-bit networks, optax transforms, export.
+    "binary", "freeze", "optim", "qlayers",
     # qtrain.core.
     "core", "Calibration", "ConvGeneralQtConfig", "DotGeneralQtConfig", "GradQuant",
     "OperandQuant", "QArray", "QType", "QuantizeSpec", "VALID_QTYPES", "conv_general_qt",

@@ -70,8 +70,14 @@ def _low_precision_conv(a, b, p, *, is_float: bool, backend: str | None = None) 
   return _conv(a.astype(jnp.float32), b.astype(jnp.float32), p, jnp.float32)
 
 
-def _quantized_conv(lq, rq, p, out_dtype):
-  """Conv over QArray/float operands, exact low-precision arithmetic where both are quantized."""
+def quantized_conv(lq, rq, p, out_dtype):
+  """Convolution over QArray/float operands (``p``: the conv's static parameters).
+
+  Exact low-precision arithmetic where both operands are quantized and their
+  scales factor out (input per batch element, kernel per output feature);
+  otherwise the dequantized operands in float32. :mod:`qtrain.freeze` calls it
+  so frozen inference reproduces training's arithmetic.
+  """
   lhs_spec, rhs_spec, out_spec = p["dn"]
   both = qdot.is_quantized(lq) and qdot.is_quantized(rq)
   # Scales factor out of the convolution only when the input's varies (at
@@ -106,7 +112,7 @@ def _forward(lhs, rhs, lhs_scale, rhs_scale, p, config, out_dtype):
   lhs_channels = (lhs_spec[0],) if p["batch_group_count"] == 1 else ()
   lres = dqt.quantize_operand(lhs, config.lhs, lhs_scale, lhs_channels, None, "lhs")
   rres = dqt.quantize_operand(rhs, config.rhs, rhs_scale, (rhs_spec[0],), None, "rhs")
-  return _quantized_conv(lres.value, rres.value, p, out_dtype), (lres, rres)
+  return quantized_conv(lres.value, rres.value, p, out_dtype), (lres, rres)
 
 
 def _fake_grad(g, gq, key, channel_axes):
