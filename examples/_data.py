@@ -12,8 +12,7 @@ import os
 
 import numpy as np
 
-DEFAULT_DIRS = ("/usr/share/datasets/fashion-mnist", "/work/shared/data/fashion-mnist",
-                "shared/data/fashion-mnist", "../shared/data/fashion-mnist")
+DEFAULT_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
 
 _DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
@@ -44,16 +43,17 @@ def _find(data_dir: str, stem: str) -> str:
 
 
 def resolve_data_dir(data_dir: str | None) -> str:
-  """``data_dir`` if it exists, else the first of :data:`DEFAULT_DIRS` that does."""
-  cands = ([data_dir] if data_dir else []) + [d for d in DEFAULT_DIRS if d != data_dir]
-  for d in cands:
-    if d and os.path.isdir(d):
-      try:
-        _find(d, "train-images-idx3-ubyte")
-        return d
-      except FileNotFoundError:
-        continue
-  raise FileNotFoundError(f"no Fashion-MNIST IDX files in any of {cands}")
+  """``data_dir`` (default :data:`DEFAULT_DIR`) if it holds the IDX files; else a clear error."""
+  d = data_dir or DEFAULT_DIR
+  if os.path.isdir(d):
+    try:
+      _find(d, "train-images-idx3-ubyte")
+      return d
+    except FileNotFoundError:
+      pass
+  raise FileNotFoundError(
+      f"no Fashion-MNIST IDX files (train-images-idx3-ubyte[.gz], ...) in --data_dir={d!r}; "
+      "install Debian's dataset-fashion-mnist or point --data_dir at a folder holding them")
 
 
 def load_mnist_like(data_dir: str):
