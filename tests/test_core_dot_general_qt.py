@@ -586,3 +586,24 @@ def test_bad_configs_raise_naming_the_field():
     dot_general_qt(x, w, dn, "int8")
   with pytest.raises(ValueError, match="dimension_numbers"):
     dot_general_qt(x, w, ((1,), (0,)), _cfg(None, None))
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_stochastic_rounding_keys_of_any_prng_implementation(impl):
+  """Typed keys keep their implementation through the custom_vjp (rbg included)."""
+  cfg = C.DotGeneralQtConfig(
+      lhs=C.OperandQuant(qtype="int8"), rhs=C.OperandQuant(qtype="int8"),
+      dlhs_grad=C.GradQuant(qtype="int8", stochastic_rounding="uniform"),
+      drhs_grad=C.GradQuant(qtype="int8", stochastic_rounding="uniform"), implementation="xla")
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((32, 8)), jnp.float32)
+  dn = (((1,), (0,)), ((), ()))
+  grad = jax.jit(jax.grad(lambda x, key: dot_general_qt(x, w, dn, cfg, key=key).sum()))
+  g1 = grad(x, jax.random.key(0, impl=impl))
+  g1_again = grad(x, jax.random.key(0, impl=impl))
+  g2 = grad(x, jax.random.key(1, impl=impl))
+  np.testing.assert_array_equal(np.asarray(g1), np.asarray(g1_again))   # deterministic per key
+  assert not np.array_equal(np.asarray(g1), np.asarray(g2))             # different key, different noise
+  ref = np.ones((16, 8)) @ np.asarray(w, np.float64).T                  # the float gradient
+  assert np.linalg.norm(np.asarray(g1) - ref) / np.linalg.norm(ref) < 0.05

@@ -201,7 +201,7 @@ def conv_general_qt(
       precision=precision)
   out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None
                         else jnp.result_type(lhs, rhs))
-  return _conv_qt(lhs, rhs, lhs_scale, rhs_scale, dqt.key_data(key), _Static(p), config, out_dtype,
+  return _conv_qt(lhs, rhs, lhs_scale, rhs_scale, dqt.as_key(key), _Static(p), config, out_dtype,
                   (jnp.result_type(lhs), jnp.result_type(rhs)))
 
 

@@ -47,7 +47,7 @@ from qtrain.core import _lax
 from qtrain.core import config as cfg_lib
 from qtrain.core import qarray as qa
 from qtrain.core import qdot
-from qtrain.core.qt_operand import (OperandResidual, as_scale, finish_operand_grad, key_data,
+from qtrain.core.qt_operand import (OperandResidual, as_key, as_scale, finish_operand_grad,
                                     operand_spec, quantize_grad, quantize_operand, split_key)
 
 
@@ -233,5 +233,5 @@ def dot_general_qt(
   if not jnp.issubdtype(out_dtype, jnp.floating):
     raise ValueError(f"preferred_element_type={out_dtype} must be a float dtype for a QT op")
   shapes = (tuple(jnp.shape(lhs)), tuple(jnp.shape(rhs)), jnp.result_type(lhs), jnp.result_type(rhs))
-  return _dot_general_qt(lhs, rhs, lhs_scale, rhs_scale, key_data(key), dn, config, precision,
+  return _dot_general_qt(lhs, rhs, lhs_scale, rhs_scale, as_key(key), dn, config, precision,
                          out_dtype, shapes)

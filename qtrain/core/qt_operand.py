@@ -96,15 +96,20 @@ def quantize_grad(g, gq: cfg_lib.GradQuant, channel_axes, key):
   return qa.quantize(g, spec, key=key)
 
 
-def key_data(key) -> jax.Array | None:
+def as_key(key) -> jax.Array | None:
+  """The PRNG key the ops carry through ``custom_vjp``: a typed key array.
+
+  Typed keys keep their implementation (threefry, rbg, ...); a legacy raw
+  ``uint32[2]`` key is wrapped as the default implementation.
+  """
   if key is None:
     return None
   if jax.dtypes.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
-    return jax.random.key_data(key)
-  return jnp.asarray(key, jnp.uint32)
+    return key
+  return jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
 
 
 def split_key(kd, n: int):
   if kd is None:
     return [None] * n
-  return list(jax.random.split(jax.random.wrap_key_data(kd), n))
+  return list(jax.random.split(kd, n))
