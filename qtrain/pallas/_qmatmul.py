@@ -245,6 +245,14 @@ def qmatmul_kernel(*refs, spec: KernelSpec, num_tiles: int, split_k: int,
   acc = lax.fori_loop(t0, t1, body, jnp.zeros((bm, bn), spec.acc_dtype))
   if not spec.group_planes:
     acc = _unscale(acc, spec)
+  _write_out(acc, o_ref, rs_ref, as_ref, ws_ref, spec=spec, final=final,
+             has_a_scale=has_a_scale, has_w_scale=has_w_scale)
+
+
+def _write_out(acc, o_ref, rs_ref, as_ref, ws_ref, *, spec: KernelSpec, final: bool,
+               has_a_scale: bool, has_w_scale: bool):
+  """The epilogue both loop shapes share: the raw accumulator for a split-K
+  partial, else the +-1 correction and the activation / weight scales."""
   if not final:
     o_ref[...] = acc
     return
@@ -333,17 +341,8 @@ def qmatmul_flat_kernel(*refs, spec: KernelSpec, block_k: int, num_chunks: int, 
     return acc + part * gs_ref[pl.ds(gi, 1), :]
 
   acc = lax.fori_loop(c0, c1, body, jnp.zeros((bm, bn), spec.acc_dtype))
-  if not final:
-    o_ref[...] = acc
-    return
-  if spec.bits_trick:
-    acc = 2 * acc - rs_ref[...]
-  out = acc.astype(jnp.float32)
-  if has_a_scale:
-    out = out * as_ref[...]
-  if has_w_scale:
-    out = out * ws_ref[...]
-  o_ref[...] = out.astype(o_ref.dtype)
+  _write_out(acc, o_ref, rs_ref, as_ref, ws_ref, spec=spec, final=final,
+             has_a_scale=has_a_scale, has_w_scale=has_w_scale)
 
 
 def epilogue_reference(acc, *, rowsum=None, a_scale=None, w_scale=None, out_dtype):
