@@ -181,10 +181,9 @@ def _decode_weight_plane(w_tile, w_ref, k0, s: int, spec: KernelSpec, a_dtype):
   return _decode(w_tile, s, spec, a_dtype)
 
 
-def qmatmul_kernel(*refs, spec: KernelSpec, num_tiles: int, split_k: int,
-                   has_w_scale: bool, has_a_scale: bool, final: bool):
-  """Kernel body. Refs, in order: a, w, [w_scale (1,bn)], [g_scale (G,bn)],
-  [g_zero (G,bn)], [a_scale (bm,1)], [rowsum (bm,1)], out."""
+def _unpack_refs(refs, *, spec: KernelSpec, has_w_scale: bool, has_a_scale: bool, final: bool):
+  """Names the kernel refs; the order the wrapper passes them in, written once:
+  a, w, [w_scale], [g_scale], [g_zero], [a_scale], [rowsum], out (None where absent)."""
   it = iter(refs)
   a_ref, w_ref = next(it), next(it)
   ws_ref = next(it) if has_w_scale else None
@@ -193,6 +192,15 @@ def qmatmul_kernel(*refs, spec: KernelSpec, num_tiles: int, split_k: int,
   as_ref = next(it) if has_a_scale else None
   rs_ref = next(it) if (spec.bits_trick and final) else None
   o_ref = next(it)
+  return a_ref, w_ref, ws_ref, gs_ref, gz_ref, as_ref, rs_ref, o_ref
+
+
+def qmatmul_kernel(*refs, spec: KernelSpec, num_tiles: int, split_k: int,
+                   has_w_scale: bool, has_a_scale: bool, final: bool):
+  """Kernel body. Refs, in order: a, w, [w_scale (1,bn)], [g_scale (G,bn)],
+  [g_zero (G,bn)], [a_scale (bm,1)], [rowsum (bm,1)], out."""
+  a_ref, w_ref, ws_ref, gs_ref, gz_ref, as_ref, rs_ref, o_ref = _unpack_refs(
+      refs, spec=spec, has_w_scale=has_w_scale, has_a_scale=has_a_scale, final=final)
   bm, bn = a_ref.shape[0], w_ref.shape[1 if spec.kn else 0]
   pk, block_k = spec.plane_k, spec.block_k
   a_dtype = a_ref.dtype
@@ -300,14 +308,8 @@ def qmatmul_flat_kernel(*refs, spec: KernelSpec, block_k: int, num_chunks: int, 
   against the (bn, plane_k) word tile and flattened, are exactly that K range
   in order. Refs as in :func:`qmatmul_kernel` (packed weights only).
   """
-  it = iter(refs)
-  a_ref, w_ref = next(it), next(it)
-  ws_ref = next(it) if has_w_scale else None
-  gs_ref = next(it) if spec.group_planes else None
-  gz_ref = next(it) if spec.has_zero else None
-  as_ref = next(it) if has_a_scale else None
-  rs_ref = next(it) if (spec.bits_trick and final) else None
-  o_ref = next(it)
+  a_ref, w_ref, ws_ref, gs_ref, gz_ref, as_ref, rs_ref, o_ref = _unpack_refs(
+      refs, spec=spec, has_w_scale=has_w_scale, has_a_scale=has_a_scale, final=final)
   bm, bn = a_ref.shape[0], w_ref.shape[1 if spec.kn else 0]
   pk = spec.plane_k
   cs = block_k // pk
