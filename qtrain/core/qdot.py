@@ -153,8 +153,24 @@ def _int_terms(lhs: qa.QArray, rhs: qa.QArray):
   return [(sl * sr, a, b) for sl, a in codes(lhs) for sr, b in codes(rhs)]
 
 
+def gemm_layout(ndim: int, contract, batch) -> tuple[int, ...]:
+  """The axis order (batch..., free..., contracting...) of one dot operand.
+
+  cuBLAS runs int8 (and fp8) GEMMs at full speed only with both operands
+  K-minor ("TN"); with the contracting axes last in both operands, the dot's
+  output layout is unchanged and XLA needs no layout copy of its own.
+  """
+  return tuple(batch) + free_axes(ndim, contract, batch) + tuple(contract)
+
+
+def _gemm_dims(lhs_ndim: int, rhs_ndim: int, nb: int, nc: int) -> DimensionNumbers:
+  """Dimension numbers of two operands already in :func:`gemm_layout`."""
+  return ((tuple(range(lhs_ndim - nc, lhs_ndim)), tuple(range(rhs_ndim - nc, rhs_ndim))),
+          (tuple(range(nb)), tuple(range(nb))))
+
+
 def dot_general_quantized_xla(
-    lhs, rhs, dimension_numbers, *, preferred_element_type, precision=None
+    lhs, rhs, dimension_numbers, *, preferred_element_type, precision=None, transpose=None
 ) -> jax.Array:
   """Dot over QArray/float operands with real low-precision arithmetic.
 
@@ -163,6 +179,12 @@ def dot_general_quantized_xla(
     dimension_numbers: as for :func:`jax.lax.dot_general`.
     preferred_element_type: the (float) output dtype.
     precision: passed to float dots.
+    transpose: ``f(x, perm)`` that puts the low-precision operands of a
+      quantized product into :func:`gemm_layout` before the dot, or None to
+      hand XLA the operands as they are. :mod:`qtrain.pallas.dispatch`
+      passes a materialized Pallas transpose on a GPU (XLA's layout
+      assignment cannot turn it back into a layout change) and
+      ``jnp.transpose`` elsewhere.
 
   Returns:
     The product in ``preferred_element_type``.
@@ -197,6 +219,16 @@ def dot_general_quantized_xla(
     dn2 = dn
     ls_o = _out_scale(ls, lb, lc, lfree, len(rfree), self_is_lhs=True, grouped=False)
     rs_o = _out_scale(rs, rb, rc, rfree, len(lfree), self_is_lhs=False, grouped=False)
+  if transpose is not None:
+    # Both operands in GEMM layout (contracting axes minor); the output's axes
+    # are (batch, lhs free, rhs free) in their original order either way.
+    (lc2, rc2), (lb2, rb2) = dn2
+    lperm = gemm_layout(terms[0][1].ndim, lc2, lb2)
+    rperm = gemm_layout(terms[0][2].ndim, rc2, rb2)
+    def to_gemm(x, perm):
+      return x if perm == tuple(range(x.ndim)) else transpose(x, perm)
+    terms = [(sg, to_gemm(a, lperm), to_gemm(b, rperm)) for sg, a, b in terms]
+    dn2 = _gemm_dims(len(lperm), len(rperm), len(lb2), len(lc2))
   # Materialize the int8/fp8 operands: XLA's GPU Triton GEMM fusion pulls the
   # quantize ops into the GEMM's prologue and was measured (jax 0.11.2, H200)
   # returning 2x results under jit; on plain int8 inputs it is exact.

@@ -22,8 +22,10 @@ vary along K and per-element contracting scales are not handled by a kernel.
 ``implementation``:
   "auto": XLA, except on a GPU backend where the config is handled by a
     kernel and :data:`AUTO_KERNEL` (measured, benchmarks/kernels.py) says
-    the kernel is faster.
-  "xla": always the XLA reference.
+    the kernel is faster. On a GPU, the XLA path's int8/fp8 operands are put
+    in GEMM layout by :func:`qtrain.pallas.transpose.transpose` (a Pallas
+    copy XLA cannot turn into a slow layout, see that module).
+  "xla": always the XLA reference, layouts left to XLA.
   "triton": the Pallas Triton kernel (GPU only); ValueError where unsupported.
   "interpret": the same kernel in the Pallas interpreter (CPU tests).
 Forcing a kernel on an unsupported config raises ValueError (never a silent
@@ -44,6 +46,7 @@ from qtrain.pallas import _qmatmul
 from qtrain.pallas import binary_matmul as _binary
 from qtrain.pallas import int8_matmul as _int8
 from qtrain.pallas import nbit_matmul as _nbit
+from qtrain.pallas import transpose as _transpose
 from qtrain.pallas.prepared import PreparedWeight, prepare_binary_activations, prepare_weight
 
 IMPLEMENTATIONS = ("auto", "xla", "triton", "interpret")
@@ -263,8 +266,12 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, *, preferred_element_type
     from qtrain.core import qdot  # lazy: qtrain.core imports this module
     if prepared_rhs:
       raise ValueError("implementation='xla' cannot take a PreparedWeight rhs; pass a QArray")
+    # "auto" hands XLA its int8/fp8 GEMMs in GEMM layout, pinned on a GPU by
+    # a Pallas transpose (see qtrain.pallas.transpose); "xla" leaves the
+    # operands as they are, layouts to XLA.
+    transpose = None if implementation == "xla" else _transpose.gemm_transpose
     return qdot.dot_general_quantized_xla(lhs, rhs, dimension_numbers,
-                                          preferred_element_type=out_dtype)
+                                          preferred_element_type=out_dtype, transpose=transpose)
 
   if implementation == "xla":
     return xla()
@@ -276,11 +283,15 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, *, preferred_element_type
     raise ValueError(f"implementation={implementation!r}: no qtrain kernel handles this dot "
                      f"({e}); use implementation='xla' or 'auto'") from None
   if implementation == "auto":
+    # Chosen per lowering platform (not the process's default backend), so the
+    # same code also runs on a CPU device of a GPU process.
+    gpu_kernel = lambda: _run(plan, out_dtype, interpret=False)
     if prepared_rhs:
-      return _run(plan, out_dtype, interpret=not _common.on_gpu())
-    if not (_common.on_gpu() and _auto_wants_kernel(plan)):
+      return jax.lax.platform_dependent(cuda=gpu_kernel,
+                                        default=lambda: _run(plan, out_dtype, interpret=True))
+    if not _auto_wants_kernel(plan):
       return xla()
-    return _run(plan, out_dtype, interpret=False)
+    return jax.lax.platform_dependent(cuda=gpu_kernel, default=xla)
   if implementation == "triton" and not _common.on_gpu():
     raise ValueError(f"implementation='triton' needs a GPU backend; this one is "
                      f"{jax.default_backend()!r} (use 'interpret' on CPU)")
