@@ -4,6 +4,7 @@
 * :mod:`qtrain.pallas.nbit_matmul` — 2/4/8-bit (and ternary) weights, group-wise scales and zero points.
 * :mod:`qtrain.pallas.int8_matmul` — int8 x int8 with per-row x per-column scales.
 * :mod:`qtrain.pallas.prepared` — weights re-laid out once for the kernels.
+* :mod:`qtrain.pallas.transpose` — a materialized transpose that pins XLA's GEMM operand layout.
 * :mod:`qtrain.pallas.dispatch` — ``quantized_dot_general``: kernel or XLA.
 
 Every kernel runs in the Pallas interpreter on CPU (``interpret=True``) and has

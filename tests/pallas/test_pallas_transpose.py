@@ -82,3 +82,23 @@ def test_xla_path_with_pinned_transposes_is_bit_identical(dn, ls, rs):
   np.testing.assert_allclose(np.asarray(a), np.asarray(ref), rtol=1e-5, atol=1e-5)
   eqns = jax.make_jaxpr(lambda: f(pinned))().jaxpr.eqns
   assert not any(e.primitive.name == "transpose" and e.invars[0].aval.dtype == jnp.int8 for e in eqns)
+
+
+def _all_eqns(jaxpr):
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          yield from _all_eqns(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          yield from _all_eqns(sub)
+
+
+def test_gemm_transpose_has_a_cuda_kernel_branch_and_runs_on_cpu():
+  x = _int8((128, 192), 5)
+  jaxpr = jax.make_jaxpr(lambda x: tp.gemm_transpose(x, (1, 0)))(x)
+  names = {e.primitive.name for e in _all_eqns(jaxpr.jaxpr)}
+  assert "pallas_call" in names and "transpose" in names, names  # CUDA branch, other platforms
+  y = jax.jit(lambda x: tp.gemm_transpose(x, (1, 0)))(x)  # lowered for the CPU: jnp.transpose
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(x).T)
