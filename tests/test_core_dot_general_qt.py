@@ -30,13 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _testutil import all_eqns as _all_eqns
 from qtrain.core import config as C
 from qtrain.core import qarray
+from qtrain.core import qdot as qdot_lib
 from qtrain.core.dot_general_qt import dot_general_qt
 
 dqt = importlib.import_module("qtrain.core.dot_general_qt")  # the module (the package exports the op)
-qa = qarray
-from qtrain.core import qdot as qdot_lib  # noqa: E402
 
 ACC_RTOL = 2.0 ** -18          # >= K * 2^-24 for K <= 64 (fp8 float32 accumulation) + scaling
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -367,16 +367,6 @@ def test_stochastic_rounding_grads_need_key_and_are_unbiased():
 # The jaxpr: w8a8 with int8 backward is three int8 x int8 -> int32 dots.
 
 
-def _all_eqns(jaxpr):
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for v in eqn.params.values():
-      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          yield from _all_eqns(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          yield from _all_eqns(sub)
-
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_jaxpr_w8a8_int8_backward_has_three_int8_dots(layout):
@@ -429,16 +419,16 @@ def test_gemm_layout_leaves_gradients_unchanged(layout):
   _, vjp = jax.vjp(lambda x, w: dot_general_qt(x, w, dn, cfg), x, w)
   gx, gw = vjp(g)
   (lc, rc), (lb, rb) = dn
-  xq = qa.quantize(x, qa.QuantizeSpec(qtype="int8", channelwise_axes=dqt._channel_axes(x.ndim, lc, lb)))
-  wq = qa.quantize(w, qa.QuantizeSpec(qtype="int8", channelwise_axes=dqt._channel_axes(w.ndim, rc, rb)))
+  xq = qarray.quantize(x, qarray.QuantizeSpec(qtype="int8", channelwise_axes=dqt._channel_axes(x.ndim, lc, lb)))
+  wq = qarray.quantize(w, qarray.QuantizeSpec(qtype="int8", channelwise_axes=dqt._channel_axes(w.ndim, rc, rb)))
   # Reference: the same products on the logical layout (dims from transpose_dims), float64.
   for x_bar, y, dn_x, swap, shape in ((gx, wq, dn, False, ls), (gw, xq, ((rc, lc), (rb, lb)), True, rs)):
     dims, perm, g_free = dqt.transpose_dims(dn_x, len(shape), y.ndim, swap_ans=swap)
     x_kept = len(qdot_lib.free_axes(len(shape), dn_x[0][0], dn_x[1][0]))
     g2, y2 = dqt._fold_scale(g, y, dims, swap, x_kept)
-    gq = qa.quantize(g2, qa.QuantizeSpec(qtype="int8", channelwise_axes=g_free))
-    ref = jax.lax.dot_general(np.asarray(qa.dequantize(gq), np.float64),
-                              np.asarray(qa.dequantize(y2), np.float64), dims)
+    gq = qarray.quantize(g2, qarray.QuantizeSpec(qtype="int8", channelwise_axes=g_free))
+    ref = jax.lax.dot_general(np.asarray(qarray.dequantize(gq), np.float64),
+                              np.asarray(qarray.dequantize(y2), np.float64), dims)
     ref = np.transpose(np.asarray(ref), perm).reshape(shape)
     np.testing.assert_allclose(np.asarray(x_bar, np.float64), ref, rtol=1e-5,
                                atol=1e-5 * np.abs(ref).max())

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import qtrain.core as qc
+from _testutil import rel_error as _rel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,10 +38,6 @@ FP8_FWD_BUDGET = 5e-4
 INT8_GRAD_BUDGET = 2e-3
 FP8_GRAD_BUDGET = 1e-2
 
-
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
 def _both(fn, *args):

@@ -12,6 +12,7 @@ import pytest
 
 import qtrain
 from qtrain import core
+from _testutil import rel_error as _rel
 
 DN = (((1,), (0,)), ((), ()))
 W8A8 = dict(weight_qtype="int8", act_qtype="int8")
@@ -28,9 +29,6 @@ def _cfg(weight="rhs", *, w="int8", a="int8", g=None, sr=None, tile=None, scale_
   lhs, rhs = (aq, wq) if weight == "rhs" else (wq, aq)
   return core.DotGeneralQtConfig(lhs=lhs, rhs=rhs, dlhs_grad=gq, drhs_grad=gq)
 
-
-def _rel(a, b):
-  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
 X = jax.random.normal(jax.random.key(0), (8, 32))

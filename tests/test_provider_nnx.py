@@ -12,6 +12,7 @@ from flax import nnx
 
 import qtrain
 from qtrain import core
+from _testutil import rel_error as _rel
 
 DN = (((1,), (0,)), ((), ()))
 W8A8 = dict(weight_qtype="int8", act_qtype="int8")
@@ -27,9 +28,6 @@ def _cfg(*, a="int8", g=None, sr=None):
   return core.DotGeneralQtConfig(lhs=core.OperandQuant(qtype=a) if a else None,
                                  rhs=core.OperandQuant(qtype="int8"), dlhs_grad=gq, drhs_grad=gq)
 
-
-def _rel(a, b):
-  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
 class TestLayers:

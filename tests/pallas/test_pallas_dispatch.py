@@ -13,14 +13,11 @@ import pytest
 from qtrain.core import qarray as qa
 from qtrain.pallas import dispatch
 from qtrain.pallas import prepared
+from _testutil import rel_error as _rel
 
 INT_EXACT = 1e-6  # group-wise scales: f32 sums of exact integer partial sums
 FLOAT_BUDGET = 1e-2  # XLA dequantizes weights to bf16 before its dot; the kernel does not
 
-
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
 def _quant(x, qtype, channel_axes, tiled=None, calibration="absmax"):

@@ -13,6 +13,7 @@ from qtrain.pallas import int8_matmul as imm
 from qtrain.pallas import nbit_matmul as nbm
 from qtrain.pallas import prepared
 from qtrain.pallas._qmatmul import BlockConfig
+from _testutil import rel_error as _rel, random_acts as _acts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,15 +30,6 @@ CONFIGS = {
 }
 
 
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-
-
-def _acts(rng, m, k, kind):
-  if kind == "int8":
-    return jnp.asarray(rng.integers(-128, 128, (m, k)), jnp.int8)
-  return jnp.asarray(rng.standard_normal((m, k)), jnp.dtype(kind))
 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))

@@ -16,6 +16,7 @@ from qtrain.pallas import int8_matmul as imm
 from qtrain.pallas import nbit_matmul as nbm
 from qtrain.pallas import prepared
 from qtrain.pallas._qmatmul import BlockConfig
+from _testutil import rel_error as _rel, random_acts as _acts
 
 FLOAT_BUDGET = 2e-6  # normwise relative error vs the f32 reference (products exact, f32 sums)
 
@@ -27,15 +28,6 @@ NO16 = BlockConfig(block_m=16, block_n=32, decode16=False)
 NOBYTE = BlockConfig(block_m=16, block_n=32, byte_decode=False, split_k=2)
 
 
-def _rel(out, ref):
-  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-  return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
-
-
-def _acts(rng, m, k, kind):
-  if kind == "int8":
-    return jnp.asarray(rng.integers(-128, 128, (m, k)), jnp.int8)
-  return jnp.asarray(rng.standard_normal((m, k)), jnp.dtype(kind))
 
 
 def _sign(rng, shape):

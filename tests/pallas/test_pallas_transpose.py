@@ -9,6 +9,7 @@ import pytest
 
 from qtrain.core import qarray, qdot
 from qtrain.pallas import transpose as tp
+from _testutil import all_eqns as _all_eqns
 
 
 def _int8(shape, seed):
@@ -83,16 +84,6 @@ def test_xla_path_with_pinned_transposes_is_bit_identical(dn, ls, rs):
   eqns = jax.make_jaxpr(lambda: f(pinned))().jaxpr.eqns
   assert not any(e.primitive.name == "transpose" and e.invars[0].aval.dtype == jnp.int8 for e in eqns)
 
-
-def _all_eqns(jaxpr):
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for v in eqn.params.values():
-      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          yield from _all_eqns(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          yield from _all_eqns(sub)
 
 
 def test_gemm_transpose_has_a_cuda_kernel_branch_and_runs_on_cpu():
