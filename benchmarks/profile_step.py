@@ -21,8 +21,6 @@ import sys
 import tempfile
 
 import jax
-import jax.numpy as jnp
-import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -58,28 +56,9 @@ def _kernel_totals(trace_dir: str) -> dict:
 
 
 def profile_config(name: str, width: int, tokens: int, steps: int, hlo_dir: str = "") -> dict:
-  model, stream = train_step.build(name, width, 4 * width)
-  kx, kt, kp = jax.random.split(jax.random.key(0), 3)
-  x = jax.random.normal(kx, (tokens, width), jnp.bfloat16)
-  target = jax.random.normal(kt, (tokens, width), jnp.bfloat16)
-  rngs = {"params": kp, stream: kp} if stream else {"params": kp}
-  variables = model.init(rngs, x)
-  params = variables["params"]
-  rest = {k: v for k, v in variables.items() if k != "params"}
-  tx = optax.sgd(1e-4)
-
-  def loss_fn(p, key, x, target):
-    kw = {"rngs": {stream: key}} if stream else {}
-    y = model.apply({"params": p, **rest}, x, **kw)
-    return jnp.mean(jnp.square(y.astype(jnp.float32) - target.astype(jnp.float32)))
-
-  @jax.jit
-  def step(p, s, key, x, target):
-    _, g = jax.value_and_grad(loss_fn)(p, key, x, target)
-    upd, s = tx.update(g, s, p)
-    return optax.apply_updates(p, upd), s
-
-  s = tx.init(params)
+  su = train_step.setup(name, width, 4 * width, tokens)
+  params, s, x, target = su.params, su.opt_state, su.x, su.target
+  step = jax.jit(su.step)
   if hlo_dir:
     os.makedirs(hlo_dir, exist_ok=True)
     text = step.lower(params, s, jax.random.key(1), x, target).compile().as_text()

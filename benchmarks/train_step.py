@@ -15,12 +15,14 @@ Prints a markdown table and appends it to benchmarks/RESULTS.md (with --append).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
 import statistics
 import sys
 import time
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -96,7 +98,20 @@ def build(name, width, hidden):
   return qtrain.quantize_model(model, qtrain.QtProvider(qtrain_rules(name))), qtrain.RNG_STREAM
 
 
-def time_config(name, width, hidden, tokens, steps, repeats):
+@dataclasses.dataclass(frozen=True)
+class StepSetup:
+  """One config's benchmark inputs: initial params and optimizer state, the data
+  (passed to the jitted step as arguments, never closed over: XLA would
+  constant-fold the first layer's input quantization), and one SGD step."""
+  params: Any
+  opt_state: Any
+  x: jax.Array
+  target: jax.Array
+  step: Callable  # (params, opt_state, key, x, target) -> (params, opt_state)
+  loss_fn: Callable  # (params, key, x, target) -> scalar
+
+
+def setup(name, width, hidden, tokens) -> StepSetup:
   model, stream = build(name, width, hidden)
   kx, kt, kp = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(kx, (tokens, width), jnp.bfloat16)
@@ -106,23 +121,31 @@ def time_config(name, width, hidden, tokens, steps, repeats):
   params = variables["params"]
   rest = {k: v for k, v in variables.items() if k != "params"}
   tx = optax.sgd(1e-4)
-  opt_state = tx.init(params)
 
   def loss_fn(p, key, x, target):
     kw = {"rngs": {stream: key}} if stream else {}
     y = model.apply({"params": p, **rest}, x, **kw)
     return jnp.mean(jnp.square(y.astype(jnp.float32) - target.astype(jnp.float32)))
 
-  # x and target are arguments, not closed-over constants: XLA would otherwise
-  # constant-fold (precompute) the first layer's input quantization.
+  def step(p, s, key, x, target):
+    _, g = jax.value_and_grad(loss_fn)(p, key, x, target)
+    upd, s = tx.update(g, s, p)
+    return optax.apply_updates(p, upd), s
+
+  return StepSetup(params=params, opt_state=tx.init(params), x=x, target=target, step=step,
+                   loss_fn=loss_fn)
+
+
+def time_config(name, width, hidden, tokens, steps, repeats):
+  su = setup(name, width, hidden, tokens)
+  params, opt_state, x, target, loss_fn = su.params, su.opt_state, su.x, su.target, su.loss_fn
+
   @jax.jit
   def run(p, s, key, x, target):
     def one_step(i, carry):
       p, s, key = carry
       key, sub = jax.random.split(key)
-      loss, g = jax.value_and_grad(loss_fn)(p, sub, x, target)
-      upd, s = tx.update(g, s, p)
-      return optax.apply_updates(p, upd), s, key
+      return (*su.step(p, s, sub, x, target), key)
     return jax.lax.fori_loop(0, steps, one_step, (p, s, key))
 
   key = jax.random.key(1)

@@ -181,28 +181,25 @@ class QtRule:
     for name in ("weight_estimator", "act_estimator"):
       if getattr(self, name) not in estimators.ESTIMATORS:
         errors.append(f"{name}={getattr(self, name)!r}; valid: {list(estimators.ESTIMATORS)}")
-    # Static and learnable activation scales.
+    # Static and learned activation scales: both need an activation qtype, both are symmetric.
     act_cal = self.act_calibration_method
-    if self.act_static_scale:
+    for name, hint in (("act_static_scale", "static scales are symmetric (no zero point)"),
+                       ("act_learnable_scale", "learned scales are symmetric (use "
+                                               "act_learnable_shift for an offset)")):
+      if not getattr(self, name):
+        continue
       if self.act_qtype is None:
-        errors.append("act_static_scale=True needs act_qtype (it is None)")
+        errors.append(f"{name}=True needs act_qtype (it is None)")
       if isinstance(act_cal, qarray.Calibration) and act_cal.is_asymmetric:
-        errors.append("act_static_scale=True with act_calibration_method='minmax': static "
-                      "scales are symmetric (no zero point)")
-      if self.act_learnable_scale:
-        errors.append("act_static_scale=True and act_learnable_scale=True: pick one")
+        errors.append(f"{name}=True with act_calibration_method='minmax': {hint}")
+    if self.act_static_scale and self.act_learnable_scale:
+      errors.append("act_static_scale=True and act_learnable_scale=True: pick one")
     if self.act_static_scale_averaging not in STATIC_SCALE_AVERAGING:
       errors.append(f"act_static_scale_averaging={self.act_static_scale_averaging!r}; valid: "
                     f"{list(STATIC_SCALE_AVERAGING)}")
     if not (isinstance(self.act_static_scale_ema_decay, (int, float)) and
             0.0 < self.act_static_scale_ema_decay < 1.0):
       errors.append(f"act_static_scale_ema_decay={self.act_static_scale_ema_decay!r} must be in (0, 1)")
-    if self.act_learnable_scale:
-      if self.act_qtype is None:
-        errors.append("act_learnable_scale=True needs act_qtype (it is None)")
-      if isinstance(act_cal, qarray.Calibration) and act_cal.is_asymmetric:
-        errors.append("act_learnable_scale=True with act_calibration_method='minmax': learned "
-                      "scales are symmetric (use act_learnable_shift for an offset)")
     if self.act_learnable_shift and self.act_qtype is None:
       errors.append("act_learnable_shift=True needs act_qtype (it is None)")
     if not (isinstance(self.act_scale_init, (int, float)) and self.act_scale_init > 0):
