@@ -22,9 +22,9 @@ vary along K and per-element contracting scales are not handled by a kernel.
 ``implementation``:
   "auto": XLA, except on a GPU backend where the config is handled by a
     kernel and :data:`AUTO_KERNEL` (measured, benchmarks/kernels.py) says
-    the kernel is faster. On a GPU, the XLA path's int8/fp8 operands are put
-    in GEMM layout by :func:`qtrain.pallas.transpose.transpose` (a Pallas
-    copy XLA cannot turn into a slow layout, see that module).
+    the kernel is faster. The XLA path's int8/fp8 operands are put in GEMM
+    layout by :func:`qtrain.pallas.transpose.gemm_transpose` (on CUDA a
+    Pallas copy XLA cannot turn into a slow layout, see that module).
   "xla": always the XLA reference, layouts left to XLA.
   "triton": the Pallas Triton kernel (GPU only); ValueError where unsupported.
   "interpret": the same kernel in the Pallas interpreter (CPU tests).
