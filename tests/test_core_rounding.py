@@ -216,3 +216,41 @@ def test_fp8_spacing_is_the_grid_spacing_at_binade_edges(qtype):
   inexact = hi > lo
   assert inexact[:2 * len(k)].all()
   np.testing.assert_array_equal(step[inexact], (hi - lo)[inexact])
+
+
+def _threefry_sizes(fn, *args):
+  """Element counts of the threefry2x32 calls in ``fn``'s lowered program."""
+  import re
+  text = jax.jit(fn).lower(*args).as_text()
+  calls = [l for l in text.splitlines() if "call @threefry2x32" in l]
+  return [int(np.prod([int(d) for d in re.findall(r"tensor<([\dx]+)xui32>", c)[0].split("x")]))
+          for c in calls]
+
+
+def test_low_bit_uniform_spends_one_prng_word_per_four_elements():
+  y = jnp.asarray(np.random.default_rng(11).normal(size=(8, 1024)) * 30, jnp.float32)
+  key = jax.random.key(0)
+  low = _threefry_sizes(lambda y, k: rounding.stochastic_round(y, INT8, k, method="low_bit_uniform"),
+                        y, key)
+  full = _threefry_sizes(lambda y, k: rounding.stochastic_round(y, INT8, k, method="uniform"), y, key)
+  assert low == [8 * 1024 // 4], low
+  assert full == [8 * 1024], full
+
+
+@pytest.mark.parametrize("shape", [(), (5,), (3, 7), (2, 4, 9)])
+def test_low_bit_uniform_every_lane_of_a_word_is_unbiased(shape):
+  # Elements 4j..4j+3 share one PRNG word (one byte each); each byte lane must
+  # round with the right probability, ragged last axes included.
+  n = 1 << 14
+  y = jnp.full(shape, 2.0 + 0.3, jnp.float32)
+  s = np.asarray(_sr_samples(y, jax.random.key(12), INT8, "low_bit_uniform", n), np.float64)
+  assert s.shape == (n,) + shape
+  assert np.all((s == 2.0) | (s == 3.0))
+  p = (s == 3.0).mean(0)
+  sigma = np.sqrt(0.3 * 0.7 / n)
+  assert np.all(np.abs(p - 0.3) <= Z_MAX * sigma + LOW_BIT_BIAS), p
+  if shape and shape[-1] >= 4:
+    # The 4 lanes of a word are uncorrelated with each other.
+    v = s.reshape(n, -1, shape[-1])[..., :4].reshape(-1, 4) - 2.3
+    c = np.corrcoef(v.T)[np.triu_indices(4, 1)]
+    assert np.all(np.abs(c) <= Z_MAX / np.sqrt(v.shape[0])), c

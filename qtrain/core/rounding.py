@@ -7,8 +7,11 @@ round-to-nearest is biased (small gradient values all collapse to 0).
 Methods:
   * ``"uniform"``: one independent uniform draw per element (32 random bits).
   * ``"low_bit_uniform"``: one independent draw per element with only 8
-    random bits (a quarter of the random-number traffic); the rounding
-    probability is quantized to 1/256 steps, bias <= 1/512 of a step.
+    random bits: each 32-bit PRNG word feeds 4 elements, so it costs a
+    quarter of the PRNG work of ``"uniform"`` (JAX's threefry computes one
+    full hash per word whatever its width; on an H200 this is what limits a
+    QT step's rounding passes, benchmarks/RESULTS.md). The rounding
+    probability is quantized to 1/256 steps: bias <= 1/512 of a step.
 
 Both work for integer qtypes (the step is 1) and for fp8 qtypes (the step is
 the fp8 spacing at ``y``, so the result is one of the two fp8 neighbours).
@@ -37,9 +40,27 @@ def _noise(key: jax.Array, shape, method: str) -> jax.Array:
   if method == "uniform":
     return jax.random.uniform(key, shape, jnp.float32)
   if method == "low_bit_uniform":
-    bits = jax.random.bits(key, shape, jnp.uint8)
-    return (bits.astype(jnp.float32) + 0.5) * (1.0 / 256.0)
+    return (_bytes(key, shape).astype(jnp.float32) + 0.5) * (1.0 / 256.0)
   raise ValueError(f"Unknown stochastic rounding method={method!r}; valid: {list(STOCHASTIC_METHODS)}")
+
+
+def _random_words(key: jax.Array, shape) -> jax.Array:
+  """Independent uniform uint32 words (JAX's PRNG for ``key``'s implementation)."""
+  return jax.random.bits(key, shape, jnp.uint32)
+
+
+def _bytes(key: jax.Array, shape) -> jax.Array:
+  """Independent uniform bytes (as uint32 in [0, 256)): the 4 bytes of each
+  32-bit word of ``jax.random.bits`` go to 4 consecutive elements of the last
+  axis (``jax.random.bits(..., jnp.uint8)`` would spend one word per byte)."""
+  shape = tuple(shape)
+  if not shape:
+    return _random_words(key, ()) & 0xFF
+  n = shape[-1]
+  words = _random_words(key, shape[:-1] + (-(-n // 4),))
+  shifts = jnp.arange(0, 32, 8, dtype=jnp.uint32)
+  b = (words[..., None] >> shifts) & 0xFF
+  return b.reshape(shape[:-1] + (-1,))[..., :n]
 
 
 def _clip(y: jax.Array, qt: qtypes.QType) -> jax.Array:
