@@ -59,14 +59,21 @@ class MLP(nn.Module):
 
 def qtrain_rules(name: str):
   common = dict(module_path=r".*")
-  if name == "qtrain_int8":
+  if name in ("qtrain_int8", "qtrain_int8_lowbit", "qtrain_int8_kernel"):
+    # _lowbit: 8-bit stochastic-rounding noise (a quarter of the PRNG work);
+    # _kernel: also every quantized product forced onto the Pallas int8
+    # kernel (bf16 written by its epilogue instead of XLA's int32 + convert).
+    sr = "uniform" if name == "qtrain_int8" else "low_bit_uniform"
+    impl = "triton" if name == "qtrain_int8_kernel" else "auto"
     return [qtrain.QtRule(**common, weight_qtype="int8", act_qtype="int8", bwd_qtype="int8",
-                          bwd_stochastic_rounding="uniform")]
+                          bwd_stochastic_rounding=sr, implementation=impl)]
   if name == "qtrain_int8_fwd":
     return [qtrain.QtRule(**common, weight_qtype="int8", act_qtype="int8")]
-  if name == "qtrain_fp8":
+  if name in ("qtrain_fp8", "qtrain_fp8_lowbit", "qtrain_fp8_nosr"):
+    # _nosr: round-to-nearest e5m2 gradients (what qwix's fp8 rule does).
+    sr = {"qtrain_fp8": "uniform", "qtrain_fp8_lowbit": "low_bit_uniform"}.get(name)
     return [qtrain.QtRule(**common, weight_qtype="float8_e4m3fn", act_qtype="float8_e4m3fn",
-                          bwd_qtype="float8_e5m2", bwd_stochastic_rounding="uniform")]
+                          bwd_qtype="float8_e5m2", bwd_stochastic_rounding=sr)]
   if name == "qtrain_binary":
     return [qtrain.QtRule(**common, weight_qtype="binary", act_qtype="binary",
                           weight_calibration_method="absmean", act_calibration_method="absmean")]
