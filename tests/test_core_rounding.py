@@ -198,24 +198,29 @@ def test_unknown_method_raises():
 
 
 @pytest.mark.parametrize("qtype", ["float8_e4m3fn", "float8_e5m2"])
-def test_fp8_spacing_is_the_grid_spacing_at_binade_edges(qtype):
-  # White-box check of the step stochastic rounding uses: exactly the gap
-  # between the two fp8 neighbours, also one float32 ulp below a power of two
-  # (where a float32 log2 rounds up to the next binade).
+def test_fp8_rounding_noise_extremes_give_the_two_neighbours(qtype):
+  # White-box check of the bit-pattern rounding: noise 0 keeps the smaller
+  # magnitude neighbour, noise just below 1 the larger one, for every inexact
+  # value, including one float32 ulp below each power of two (binade edges),
+  # subnormals, and both signs. Representable values never move.
   qt = qtypes.get_qtype(qtype)
-  grid = _fp8_grid(qt.compute_dtype.type)
-  fi = ml_dtypes.finfo(qt.compute_dtype.type)
+  dtype = qt.compute_dtype.type
+  grid = _fp8_grid(dtype)
+  fi = ml_dtypes.finfo(dtype)
   k = np.arange(fi.minexp - fi.nmant + 1, int(np.log2(float(fi.max))) + 1)
   below = np.nextafter((2.0 ** k).astype(np.float32), np.float32(0))
-  y = np.concatenate([below, -below, _fp8_inputs(qt.compute_dtype.type, 64, 3)[:64]])
+  y = np.concatenate([below, -below, _fp8_inputs(dtype, 256, 3)])
   assert y.dtype == np.float32
-  step = np.asarray(rounding._fp8_spacing(jnp.asarray(y), qt.compute_dtype), np.float64)
   yd = y.astype(np.float64)
   hi = grid[np.searchsorted(grid, yd, side="left")]
   lo = grid[np.searchsorted(grid, yd, side="right") - 1]
-  inexact = hi > lo
-  assert inexact[:2 * len(k)].all()
-  np.testing.assert_array_equal(step[inexact], (hi - lo)[inexact])
+  small = np.where(np.abs(lo) <= np.abs(hi), lo, hi)
+  large = np.where(np.abs(lo) <= np.abs(hi), hi, lo)
+  for u, want in ((0.0, small), (np.float32(1) - np.float32(2.0**-24), large)):
+    r = rounding._fp8_round_with_noise(jnp.asarray(y), qt.compute_dtype,
+                                       jnp.full(y.shape, u, jnp.float32))
+    np.testing.assert_array_equal(np.asarray(r, np.float64), want)
+  assert (hi > lo)[:2 * len(k)].all()
 
 
 def _threefry_sizes(fn, *args):

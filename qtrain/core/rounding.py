@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from qtrain.core import qtypes
 
@@ -80,14 +81,28 @@ def round_nearest(y: jax.Array, qt: qtypes.QType) -> jax.Array:
   return _clip(jnp.round(y), qt).astype(qt.compute_dtype)
 
 
-def _fp8_spacing(y: jax.Array, dtype) -> jax.Array:
-  """Spacing of the fp8 grid at ``|y|`` (the subnormal spacing near zero)."""
+def _fp8_round_with_noise(y: jax.Array, dtype, u: jax.Array) -> jax.Array:
+  """Rounds float32 ``y`` to a neighbour on the fp8 grid of ``dtype`` (not clipped).
+
+  The magnitude goes up to the next grid value with probability equal to its
+  distance from the one below, given ``u`` uniform in [0, 1). In the fp8
+  normal range this is done on the float32 bit pattern: the fp8 grid of a
+  binade is every ``2**drop``-th pattern (``drop = 23 - nmant``), so adding
+  ``floor(u * 2**drop)`` and clearing the low ``drop`` bits rounds up exactly
+  when the dropped bits plus the noise carry (a carry into the exponent gives
+  the next power of two, the right neighbour at a binade edge). Below the
+  smallest fp8 normal the grid is uniform with the subnormal spacing.
+  """
   fi = jnp.finfo(dtype)
-  # frexp gives the exact binade (|y| = m * 2^e, m in [0.5, 1)); a float32
-  # log2 rounds up to the next integer just below a power of two.
-  _, e = jnp.frexp(y)
-  e = jnp.where(y == 0, fi.minexp, jnp.maximum(e - 1, fi.minexp))
-  return jnp.ldexp(jnp.ones_like(y, jnp.float32), e - fi.nmant)
+  drop = 23 - fi.nmant
+  a = jnp.abs(y)
+  n = (u * float(2**drop)).astype(jnp.uint32)
+  bits = (lax.bitcast_convert_type(a, jnp.uint32) + n) & jnp.uint32(~(2**drop - 1) & 0xFFFFFFFF)
+  normal = lax.bitcast_convert_type(bits, jnp.float32)
+  sub_step = float(2.0 ** (fi.minexp - fi.nmant))
+  sub = jnp.floor(a * (1.0 / sub_step) + u) * sub_step
+  r = jnp.where(a < float(fi.smallest_normal), sub, normal)
+  return jnp.where(y < 0, -r, r)
 
 
 def stochastic_round(y: jax.Array, qt: qtypes.QType, key: jax.Array, *, method: str = "uniform") -> jax.Array:
@@ -101,7 +116,5 @@ def stochastic_round(y: jax.Array, qt: qtypes.QType, key: jax.Array, *, method: 
   if qt.kind == "binary":
     return jnp.where(u < (1.0 + jnp.clip(y, -1, 1)) * 0.5, 1, -1).astype(jnp.int8)
   if qt.is_float:
-    step = _fp8_spacing(y, qt.compute_dtype)
-    r = jnp.floor(y / step + u) * step
-    return _clip(r, qt).astype(qt.compute_dtype)
+    return _clip(_fp8_round_with_noise(y, qt.compute_dtype, u), qt).astype(qt.compute_dtype)
   return _clip(jnp.floor(y + u), qt).astype(qt.compute_dtype)
