@@ -180,6 +180,19 @@ def test_quantization_gpu_matches_cpu_bit_exactly(dtype):
   assert diff.size == 0, (diff.size, list(zip(np.asarray(x)[diff][:5], g[diff][:5], c[diff][:5])))
 
 
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "int8"])
+@pytest.mark.parametrize("method", ["uniform", "low_bit_uniform"])
+def test_stochastic_rounding_gpu_matches_cpu_bit_exactly(dtype, method):
+  # Same key, same bits: threefry words, the byte split of low_bit_uniform and
+  # the fp8 bit-pattern rounding are integer ops, identical on both backends.
+  from qtrain.core import qtypes, rounding
+  qt = qtypes.get_qtype(dtype)
+  y = jnp.asarray(np.random.default_rng(4).standard_normal((64, 1027)) * 40, jnp.float32)
+  key = jax.random.key(5)
+  g, c = _both(lambda y, k: rounding.stochastic_round(y, qt, k, method=method), y, key)
+  np.testing.assert_array_equal(np.asarray(g).astype(np.float32), np.asarray(c).astype(np.float32))
+
+
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
 def test_fp8_fake_quantization_keeps_its_rounding_under_jit(dtype):
   # quantize + dequantize in one jit: the f32 -> fp8 -> f32 round trip must not be folded
