@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU measurements still open, batched for one device call (about 8 minutes).
+# Each step has its own timeout; logs and JSON go to $OUT (default /tmp/qtrain_out).
+#
+#   OUT=/tmp/out bash benchmarks/gpu_pending.sh
+#
+# Needs qwix as a wheel in .whl/ for the qwix rows (see benchmarks/RESULTS.md).
+set -u
+OUT=${OUT:-/tmp/qtrain_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=.:/tmp/site
+
+# 1. The GPU test suite (kernels for real, GPU vs CPU numerics).
+timeout 200 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider tests 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+# 2. Inline-PTX decoders in the small-M sub-byte kernels (checked against the shipped kernel).
+timeout 150 python3 benchmarks/explore_asm.py --json "$OUT/asm.json" 2>&1 | tail -8 | tee "$OUT/asm.log"
+# 3. fp8 training step like for like with qwix (no SR / low-bit SR), int8 with low-bit SR.
+timeout 330 python3 benchmarks/train_step.py --widths 4096 --tokens 8192 --steps 10 --repeats 3 \
+  --configs bf16,qtrain_int8_lowbit,qtrain_fp8_nosr,qtrain_fp8_lowbit,qwix_fp8 \
+  --json "$OUT/step.json" 2>&1 | grep -v Warning | tail -14 | tee "$OUT/step.log"
