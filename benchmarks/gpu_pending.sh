@@ -19,6 +19,6 @@ timeout 200 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider tests 2>&1 | ta
 # 2. Inline-PTX decoders in the small-M sub-byte kernels (checked against the shipped kernel).
 timeout 150 python3 benchmarks/explore_asm.py --json "$OUT/asm.json" 2>&1 | tail -8 | tee "$OUT/asm.log"
 # 3. fp8 training step like for like with qwix (no SR / low-bit SR), int8 with low-bit SR.
-timeout 330 python3 benchmarks/train_step.py --widths 4096 --tokens 8192 --steps 10 --repeats 3 \
-  --configs bf16,qtrain_int8_lowbit,qtrain_fp8_nosr,qtrain_fp8_lowbit,qwix_fp8 \
+timeout 360 python3 benchmarks/train_step.py --widths 4096 --tokens 8192 --steps 10 --repeats 3 \
+  --configs bf16,qtrain_int8_lowbit,qtrain_fp8_nosr,qtrain_fp8_nosr_xla,qtrain_fp8_lowbit,qwix_fp8 \
   --json "$OUT/step.json" 2>&1 | grep -v Warning | tail -14 | tee "$OUT/step.log"

@@ -69,11 +69,14 @@ def qtrain_rules(name: str):
                           bwd_stochastic_rounding=sr, implementation=impl)]
   if name == "qtrain_int8_fwd":
     return [qtrain.QtRule(**common, weight_qtype="int8", act_qtype="int8")]
-  if name in ("qtrain_fp8", "qtrain_fp8_lowbit", "qtrain_fp8_nosr"):
-    # _nosr: round-to-nearest e5m2 gradients (what qwix's fp8 rule does).
+  if name in ("qtrain_fp8", "qtrain_fp8_lowbit", "qtrain_fp8_nosr", "qtrain_fp8_nosr_xla"):
+    # _nosr: round-to-nearest e5m2 gradients (what qwix's fp8 rule does);
+    # _xla: operand layouts left to XLA (no Pallas GEMM-layout transposes).
     sr = {"qtrain_fp8": "uniform", "qtrain_fp8_lowbit": "low_bit_uniform"}.get(name)
+    impl = "xla" if name.endswith("_xla") else "auto"
     return [qtrain.QtRule(**common, weight_qtype="float8_e4m3fn", act_qtype="float8_e4m3fn",
-                          bwd_qtype="float8_e5m2", bwd_stochastic_rounding=sr)]
+                          bwd_qtype="float8_e5m2", bwd_stochastic_rounding=sr,
+                          implementation=impl)]
   if name == "qtrain_binary":
     return [qtrain.QtRule(**common, weight_qtype="binary", act_qtype="binary",
                           weight_calibration_method="absmean", act_calibration_method="absmean")]
