@@ -14,6 +14,14 @@ times, side by side in one run, a forward layer's GEMM + epilogue + consumer
 
 and checks each int8 variant against the ``s32`` result (exact int32 sums).
 
+``--step`` also times the whole ``qtrain_int8_lowbit`` training step with the
+int8 products asked for float32 output. ``--pallas-epilogue-step`` times it
+with :func:`qtrain.core.qdot.scale_product` (the scaled int32 -> float pass
+after each cuBLAS int8 GEMM, which XLA runs as a separate convert plus a
+consumer reading float32) replaced by a one-pass Pallas kernel writing the
+output dtype directly (bf16 in the forward): all 2-D products, or only those
+with a 16-bit output; the loss must not change.
+
   PYTHONPATH=. python benchmarks/explore_epilogue.py --json /tmp/epi.json
 """
 
@@ -35,6 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _timing  # noqa: E402
 import train_step  # noqa: E402
 from qtrain.core import _lax as qlax  # noqa: E402
+from qtrain.core import qdot  # noqa: E402
+from qtrain.pallas import _common  # noqa: E402
 from qtrain.pallas import int8_matmul, prepared  # noqa: E402
 
 DN = (((1,), (1,)), ((), ()))  # (M, K) x (N, K)
@@ -76,6 +86,43 @@ def variants(m, k, n):
           "bf16": (bf16, (fa, fb))}
 
 
+def _epilogue_kernel(acc_ref, ls_ref, rs_ref, o_ref):
+  out = acc_ref[...].astype(jnp.float32) * ls_ref[...] * rs_ref[...]
+  o_ref[...] = out.astype(o_ref.dtype)
+
+
+def pallas_scale_product(acc, ls_o, rs_o, *, out_dtype, interpret=False, bm=64, bn=256):
+  """``scale_product`` of a 2-D int32 product as one Pallas pass (same op order)."""
+  from jax.experimental import pallas as pl
+  m, n = acc.shape
+  ls = jnp.broadcast_to(ls_o.astype(jnp.float32), (m, 1))
+  rs = jnp.broadcast_to(rs_o.astype(jnp.float32), (1, n))
+  return pl.pallas_call(
+      _epilogue_kernel,
+      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+      grid=(m // bm, n // bn),
+      in_specs=[pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+                pl.BlockSpec((bm, 1), lambda i, j: (i, 0)),
+                pl.BlockSpec((1, bn), lambda i, j: (0, j))],
+      out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+      compiler_params=_common.triton_params(num_warps=4, num_stages=2),
+      interpret=interpret, name="qtrain_scale_epilogue")(acc, ls, rs)
+
+
+def patched_scale_product(*, only_16bit: bool, interpret: bool = False):
+  shipped = qdot.scale_product
+
+  def f(acc, ls_o, rs_o, *, grouped, out_dtype):
+    ok = (not grouped and acc.ndim == 2 and acc.dtype == jnp.int32
+          and acc.shape[0] % 64 == 0 and acc.shape[1] % 256 == 0
+          and ls_o.ndim == 2 and ls_o.shape[1] == 1 and rs_o.ndim == 2 and rs_o.shape[0] == 1
+          and (jnp.dtype(out_dtype).itemsize == 2 or not only_16bit))
+    if not ok:
+      return shipped(acc, ls_o, rs_o, grouped=grouped, out_dtype=out_dtype)
+    return pallas_scale_product(acc, ls_o, rs_o, out_dtype=out_dtype, interpret=interpret)
+  return f
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--shapes", default="8192x4096x16384,8192x16384x4096")
@@ -83,8 +130,25 @@ def main():
   ap.add_argument("--step", action="store_true",
                   help="also time the qtrain_int8_lowbit training step with int8 dots asked for "
                        "float32 (patched) vs int32 output (shipped)")
+  ap.add_argument("--pallas-epilogue-step", action="store_true")
   args = ap.parse_args()
   rows = []
+  if args.pallas_epilogue_step:
+    shipped = qdot.scale_product
+    for name, fn in (("shipped", shipped), ("pallas, all 2-D", patched_scale_product(only_16bit=False)),
+                     ("pallas, 16-bit outputs", patched_scale_product(only_16bit=True)),
+                     ("shipped", shipped)):
+      qdot.scale_product = fn
+      try:
+        ms, loss = train_step.time_config("qtrain_int8_lowbit", 4096, 16384, 8192, 10, 3)
+      finally:
+        qdot.scale_product = shipped
+      rows.append(dict(step=f"epilogue {name}", ms=ms, loss=loss))
+      print(f"step, epilogue {name}: {ms:.3f} ms  loss {loss:.4f}", flush=True)
+      if args.json:
+        with open(args.json, "w") as f:
+          json.dump(rows, f, indent=1)
+    return
   if args.step:
     shipped = qlax.dot_general
 

@@ -237,6 +237,14 @@ def dot_general_quantized_xla(
   for sg, a, b in terms:
     t = _lax.dot_general(a, b, dn2, preferred_element_type=acc_dtype)
     acc = t if acc is None else (acc + t if sg > 0 else acc - t)
+  return scale_product(acc, ls_o, rs_o, grouped=grouped, out_dtype=out_dtype)
+
+
+def scale_product(acc: jax.Array, ls_o: jax.Array, rs_o: jax.Array, *, grouped: bool,
+                  out_dtype) -> jax.Array:
+  """The epilogue of a quantized product: ``(acc * ls_o) * rs_o`` in float32
+  (summed over the leading group axis when ``grouped``), cast to ``out_dtype``.
+  ``ls_o`` / ``rs_o`` are the operands' scales in the output layout."""
   out = acc.astype(jnp.float32) * ls_o * rs_o
   if grouped:
     out = jnp.sum(out, axis=0)
