@@ -238,8 +238,12 @@ def test_low_bit_uniform_spends_one_prng_word_per_four_elements():
   low = _threefry_sizes(lambda y, k: rounding.stochastic_round(y, INT8, k, method="low_bit_uniform"),
                         y, key)
   full = _threefry_sizes(lambda y, k: rounding.stochastic_round(y, INT8, k, method="uniform"), y, key)
-  assert low == [8 * 1024 // 4], low
-  assert full == [8 * 1024], full
+  # One threefry call each, over a quarter of the counters (in JAX's default
+  # partitionable mode: one counter per word, so 2048 against 8192).
+  assert len(low) == len(full) == 1, (low, full)
+  assert 4 * low[0] == full[0], (low, full)
+  if jax.config.jax_threefry_partitionable:
+    assert full == [8 * 1024], full
 
 
 @pytest.mark.parametrize("shape", [(), (5,), (3, 7), (2, 4, 9)])
