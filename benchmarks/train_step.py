@@ -198,6 +198,9 @@ def main():
       rows.append(dict(config=name, D=w, F=4 * w, ms=ms, speedup=sp, loss=loss))
       print(f"{name:18s} D={w:5d} {ms:9.3f} ms/step  {sp if sp else float('nan'):5.2f}x  loss {loss:.4f}",
             flush=True)
+      if args.json:  # after every config: a timeout keeps what was measured
+        with open(args.json, "w") as f:
+          json.dump(rows, f, indent=1)
   dev = jax.devices()[0].device_kind
   lines = [f"\n### Training step, {datetime.date.today()}, {dev}, jax {jax.__version__}",
            f"`{' '.join(['python'] + sys.argv)}` (T={args.tokens}, {args.steps} steps in one jit, "

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from qtrain.pallas import _asm
 from qtrain.pallas import _common
 
 WFormat = Literal["packed", "dense"]
@@ -62,6 +63,13 @@ class BlockConfig:
     byte_decode: for int8/binary activations on the small-M path, decode
       from the words' bytes with int8 ops, each field moved to the top bits
       (value * 2**(8 - bits)); the exact scale-back is a final shift.
+    asm: on the GPU, decode packed binary/int2/int4 weights on the small-M
+      path with the inline-PTX decoders of :mod:`qtrain.pallas._asm` (two or
+      four values per instruction; the same bits as the jnp decoders, which
+      interpret mode always uses).
+    asm_group: slots (planes) decoded per inline-PTX call for 16-bit
+      outputs (a power of two, capped to one 16-bit half of a word); int8
+      outputs always decode one byte's fields per call.
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining depth of the K loop.
   """
@@ -74,6 +82,8 @@ class BlockConfig:
   block_k: int | None = None
   decode16: bool = True
   byte_decode: bool = True
+  asm: bool = True
+  asm_group: int = 4
 
   def __post_init__(self):
     for name in ("block_m", "block_n"):
@@ -84,6 +94,8 @@ class BlockConfig:
       raise ValueError(f"split_k={self.split_k} must be >= 1")
     if self.block_k is not None and (not _common.is_pow2(self.block_k) or self.block_k < 16):
       raise ValueError(f"block_k={self.block_k} must be None or a power of two >= 16")
+    if not _common.is_pow2(self.asm_group) or self.asm_group > 16:
+      raise ValueError(f"asm_group={self.asm_group} must be a power of two <= 16")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,6 +116,8 @@ class KernelSpec:
       dot's (K, N) operand directly (no transpose before the dot).
     decode16: 16-bit pattern decoders for bf16/f16 activations.
     byte_decode: int8 "field to top bits" decoders (see BlockConfig).
+    asm_group: 0 (jnp decoders), or the slots per inline-PTX decode call
+      (:mod:`qtrain.pallas._asm`; GPU only).
   """
 
   w_format: WFormat
@@ -117,6 +131,7 @@ class KernelSpec:
   kn: bool = False
   decode16: bool = False
   byte_decode: bool = False
+  asm_group: int = 0
 
   @property
   def block_k(self) -> int:
@@ -214,20 +229,25 @@ def qmatmul_kernel(*refs, spec: KernelSpec, num_tiles: int, split_k: int,
     w_tile = a_tile = None
     if spec.w_format == "packed":
       w_tile = _w_slice(w_ref, t * pk, pk, spec.kn)
-      if spec.w_binary and spec.a_format == "float":
+      if spec.w_binary and spec.a_format == "float" and not spec.asm_group:
         w_tile = ~w_tile
     if spec.a_format == "binary":
       a_tile = a_ref[:, pl.ds(t * pk, pk)]
     gacc = zacc = None
     per_byte = 8 // spec.w_bits
-    byte = None
+    byte = group = None
     for s in range(spec.planes):
       k0 = t * block_k + s * pk
       if spec.a_format == "binary":
         a = _common.decode_binary_to_pm1_int8(a_tile, s)
       else:
         a = a_ref[:, pl.ds(k0, pk)]
-      if spec.byte_shift:
+      if spec.asm_group:
+        if s % spec.asm_group == 0:
+          group = _asm.decode_group(w_tile, s, spec.asm_group, w_binary=spec.w_binary,
+                                    w_bits=spec.w_bits, a_format=spec.a_format, a_dtype=a_dtype)
+        w = group[s % spec.asm_group]
+      elif spec.byte_shift:
         if s % per_byte == 0:
           byte = _common.word_byte(w_tile, s // per_byte)
         w = _common.byte_slot_to_top(byte, s % per_byte, spec.w_bits)
@@ -437,6 +457,12 @@ def qmatmul(a: jax.Array, w: jax.Array, *, spec: KernelSpec, k: int,
   bk_flat = config.block_k
   spec = dataclasses.replace(spec, decode16=config.decode16,
                              byte_decode=config.byte_decode and config.block_k is None)
+  if (config.asm and not interpret and spec.w_format == "packed" and bk_flat is None
+      and _asm.supports(w_binary=spec.w_binary, w_bits=spec.w_bits, a_format=spec.a_format,
+                        a_dtype=a.dtype, byte_shift=spec.byte_shift)):
+    spec = dataclasses.replace(spec, asm_group=_asm.group_size(
+        w_binary=spec.w_binary, w_bits=spec.w_bits, a_format=spec.a_format,
+        requested=config.asm_group))
   if bk_flat is not None and spec.w_format == "packed":
     if spec.group_planes:
       bk_flat = min(bk_flat, spec.group_planes * spec.plane_k)

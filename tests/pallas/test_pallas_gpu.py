@@ -112,3 +112,43 @@ def test_dispatch_triton_matches_xla():
   b = dispatch.quantized_dot_general(xq, wq, dn, preferred_element_type=jnp.float32,
                                      implementation="xla")
   assert _rel(a, b) < 1e-6
+
+
+@pytest.mark.parametrize("qtype,group", [("binary", None), ("ternary", None), ("ternary", 64),
+                                         ("int2", None), ("int2", 64), ("int4", None), ("int4", 64)])
+@pytest.mark.parametrize("act", ["bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("asm_group,kn", [(4, False), (16, True)])
+def test_asm_decoders_same_bits_as_jnp_gpu(qtype, group, act, asm_group, kn):
+  """The inline-PTX decoders (qtrain.pallas._asm) against the jnp decoders in the same kernel."""
+  rng = np.random.default_rng(len(qtype) * 100 + (group or 0) + asm_group + len(act))
+  m, k, n = 13, (1024 if group else 1000), 200  # ragged M, N (and K without groups)
+  x = _acts(rng, m, k, act)
+  xs = jnp.asarray(rng.random(m) + 0.5, jnp.float32) if act == "int8" else None
+  cfg = BlockConfig(block_m=16, block_n=64, split_k=2, num_warps=4, num_stages=3,
+                    asm_group=asm_group)
+  if qtype == "binary":
+    wv = jnp.asarray(np.where(rng.random((n, k)) > 0.5, 1, -1), jnp.int8)
+    ws = jnp.asarray(rng.random(n) + 0.5, jnp.float32)
+    w = prepared.prepare_weight(wv, "binary", scale=ws, kn=kn)
+    call = lambda c: jax.jit(lambda x, w: bmm.binary_matmul(x, w, x_scale=xs, config=c))(x, w)
+    ref = bmm.binary_matmul_reference(x, wv, w_scale=ws, x_scale=xs)
+  else:
+    lo, hi = {"ternary": (-1, 2), "int2": (-2, 2), "int4": (-8, 8)}[qtype]
+    wv = jnp.asarray(rng.integers(lo, hi, (n, k)), jnp.int8)
+    if group:
+      gs = jnp.asarray(rng.random((n, k // group)) + 0.5, jnp.float32)
+      w = prepared.prepare_weight(wv, qtype, scale=gs, group_size=group, kn=kn)
+      ref = nbm.nbit_matmul_reference(x, wv, group_size=group, g_scale=gs, x_scale=xs)
+    else:
+      ws = jnp.asarray(rng.random(n) + 0.5, jnp.float32)
+      w = prepared.prepare_weight(wv, qtype, scale=ws, kn=kn)
+      ref = nbm.nbit_matmul_reference(x, wv, w_scale=ws, x_scale=xs)
+    call = lambda c: jax.jit(lambda x, w: nbm.nbit_matmul(x, w, x_scale=xs, config=c))(x, w)
+  import dataclasses
+  out_asm = call(cfg)
+  out_jnp = call(dataclasses.replace(cfg, asm=False))
+  np.testing.assert_array_equal(np.asarray(out_asm, np.float32), np.asarray(out_jnp, np.float32))
+  if act == "int8" and not group:
+    np.testing.assert_array_equal(out_asm, ref)
+  else:
+    assert _rel(out_asm, ref) < FLOAT_BUDGET
