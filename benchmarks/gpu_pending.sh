@@ -5,6 +5,7 @@
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 1   # GPU tests, inline-PTX decoder exploration
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 2   # training steps side by side, D = 4096
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 3   # training steps side by side, D = 1024
+#   OUT=/tmp/out bash benchmarks/gpu_pending.sh 4   # fused quantization kernel vs XLA, and in the step
 #
 # Needs qwix as a wheel in .whl/ for the qwix rows (see benchmarks/RESULTS.md).
 set -u
@@ -23,6 +24,8 @@ if [ "$PART" = 1 ]; then
 timeout 230 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider tests 2>&1 | grep -v Warn | tail -25 | tee "$OUT/gpu_tests.log"
 # Inline-PTX decoders in the small-M sub-byte kernels, config grid at M = 16.
 timeout 330 python3 benchmarks/explore_decode.py --budget-s 300 --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -12
+elif [ "$PART" = 4 ]; then
+timeout 560 python3 benchmarks/explore_quantize.py --step --json "$OUT/quant.json" 2>&1 | grep -v Warning | tee "$OUT/quant.log" | tail -40
 elif [ "$PART" = 2 ]; then
 timeout 560 python3 benchmarks/train_step.py --widths 4096 --tokens 8192 --steps 10 --repeats 3 \
   --configs $STEP_CONFIGS --json "$OUT/step4096.json" 2>&1 | grep -v Warning | tee "$OUT/step4096.log" | tail -14

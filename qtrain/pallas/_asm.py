@@ -5,9 +5,10 @@ instructions *per decoded value* (Triton has no width-changing bitcast), and
 the small-M sub-byte kernels are bound by that decode (benchmarks/RESULTS.md,
 "What limits the sub-byte kernels"). These decoders emit PTX through
 ``pallas.triton.elementwise_inline_asm`` and work on two (16-bit outputs) or
-four (int8 outputs) values per instruction, and decode a *group* of
-consecutive slots (planes) of the plane layout per call, so the byte shuffles
-that gather the words' bits are shared by the whole group:
+four (int8 outputs) values per instruction (one slot, i.e. one plane of the plane layout, per
+call; the byte shuffles that gather the words' bits are the same for the
+slots of one half-word / byte, and ``ptxas`` is free to share them, since it
+optimizes the whole PTX, inline assembly included):
 
 * ``float16`` (binary / int2 / int4 weights, bf16 or f16 activations; two
   words per instance): ``prmt`` puts the low (or high) halves of the two
@@ -62,105 +63,76 @@ def supports(*, w_binary: bool, w_bits: int, a_format: str, a_dtype, byte_shift:
   return byte_shift > 0  # int8 / binary activations, byte decoding
 
 
-def group_size(*, w_binary: bool, w_bits: int, a_format: str, requested: int) -> int:
-  """Slots decoded per call: ``requested`` capped to one 16-bit half (float
-  outputs) or exactly one byte's fields (int8 outputs)."""
-  bits = 1 if w_binary else w_bits
-  if a_format != "float":
-    return 8 // bits
+def _float16_ptx(s: int, bits: int, binary: bool, dtype) -> str:
+  one, fma, magic, mant = _F16[jnp.dtype(dtype)]
   per_half = 16 // bits
-  g = max(1, min(requested, per_half))
-  while per_half % g:
-    g -= 1
-  return g
-
-
-def _float16_ptx(s0: int, count: int, bits: int, binary: bool, dtype) -> str:
-  one, fma, magic, _ = _F16[jnp.dtype(dtype)]
-  per_half = 16 // bits
-  w0, w1 = f"${count}", f"${count + 1}"
+  sl = s % per_half  # field of each 16-bit half
   lines = ["{", ".reg .b32 u, t, one, off;",
-           f"prmt.b32 u, {w0}, {w1}, {'0x5410' if s0 < per_half else '0x7632'};"]
+           f"prmt.b32 u, $1, $2, {'0x5410' if s < per_half else '0x7632'};"]
+  src = "u"
   if binary:
-    for i in range(count):
-      sl = (s0 + i) % per_half  # bit of each half
-      src = "u"
-      if sl != 15:
-        lines.append(f"shl.b32 t, u, {15 - sl};")
-        src = "t"
-      # (~bit at 15/31) | 1.0: code 1 is +1, code 0 is -1.
-      lines.append(f"lop3.b32 ${i}, {src}, 0x80008000, {_dup(one)}, 0xAE;")
+    if sl != 15:
+      lines.append(f"shl.b32 t, u, {15 - sl};")
+      src = "t"
+    # (~bit at 15/31) | 1.0: code 1 is +1, code 0 is -1.
+    lines.append(f"lop3.b32 $0, {src}, 0x80008000, {_dup(one)}, 0xAE;")
   else:
     half = 1 << (bits - 1)
     mask = (1 << bits) - 1
-    lines += [f"mov.b32 one, {_dup(one)};",
-              f"mov.b32 off, {_dup(_neg16(float(2 ** _F16[jnp.dtype(dtype)][3] + half), dtype))};"]
-    for i in range(count):
-      sl = (s0 + i) % per_half
-      src = "u"
-      if sl:
-        lines.append(f"shr.b32 t, u, {bits * sl};")
-        src = "t"
-      # (field ^ half) | 2**m in both halves, i.e. 2**m + value + half ...
-      lines.append(f"lop3.b32 t, {src}, {_dup(mask)}, {_dup(magic | half)}, 0x6A;")
-      # ... minus (2**m + half).
-      lines.append(f"fma.rn.{fma} ${i}, t, one, off;")
+    if sl:
+      lines.append(f"shr.b32 t, u, {bits * sl};")
+      src = "t"
+    lines += [
+        # (field ^ half) | 2**m in both halves, i.e. 2**m + value + half ...
+        f"lop3.b32 t, {src}, {_dup(mask)}, {_dup(magic | half)}, 0x6A;",
+        f"mov.b32 one, {_dup(one)};",
+        f"mov.b32 off, {_dup(_neg16(float(2 ** mant + half), dtype))};",
+        f"fma.rn.{fma} $0, t, one, off;"]  # ... minus (2**m + half)
   lines.append("}")
   return "\n".join(lines)
 
 
-def _byte_top_ptx(s0: int, count: int, bits: int) -> str:
+def _byte_top_ptx(s: int, bits: int) -> str:
   per_byte = 8 // bits
-  b = s0 // per_byte
+  b = s // per_byte
   sel = f"0x{((4 + b) << 4) | b:04X}"
   top = {1: 0x80808080, 2: 0xC0C0C0C0, 4: 0xF0F0F0F0}[bits]
-  w = [f"${count + j}" for j in range(4)]
-  lines = ["{", ".reg .b32 p, r, q, t;",
-           f"prmt.b32 p, {w[0]}, {w[1]}, {sel};",
-           f"prmt.b32 r, {w[2]}, {w[3]}, {sel};",
+  up = 8 - bits * (s % per_byte + 1)
+  lines = ["{", ".reg .b32 p, r, q;",
+           f"prmt.b32 p, $1, $2, {sel};",
+           f"prmt.b32 r, $3, $4, {sel};",
            "prmt.b32 q, p, r, 0x5410;"]  # byte b of the four words
-  for i in range(count):
-    field = (s0 + i) % per_byte
-    up = 8 - bits * (field + 1)
-    src = "q"
-    if up:
-      lines.append(f"shl.b32 t, q, {up};")
-      src = "t"
-    lines.append(f"and.b32 ${i}, {src}, 0x{top:08X};")
-  lines.append("}")
+  if up:
+    lines.append(f"shl.b32 q, q, {up};")
+  lines += [f"and.b32 $0, q, 0x{top:08X};", "}"]
   return "\n".join(lines)
 
 
-def decode_group(words: jax.Array, s0: int, count: int, *, w_binary: bool, w_bits: int,
-                 a_format: str, a_dtype) -> list[jax.Array]:
-  """Slots ``s0 .. s0 + count - 1`` of a word tile, decoded by one inline-PTX call.
+def decode_slot(words: jax.Array, s: int, *, w_binary: bool, w_bits: int, a_format: str,
+                a_dtype) -> jax.Array:
+  """Slot ``s`` of a word tile, decoded by one inline-PTX call.
 
   Args:
     words: int32 word tile in the plane layout (raw codes, not inverted).
-    s0, count: the slots; a group must lie within one 16-bit half (float
-      outputs) or one byte (int8 outputs), see :func:`group_size`.
+    s: the slot (a Python int).
     w_binary, w_bits: the weights' code.
     a_format: "float" (16-bit outputs in ``a_dtype``) or "int8"/"binary"
       (int8 outputs, fields moved to the top bits).
     a_dtype: the activations' dtype.
 
   Returns:
-    ``count`` arrays shaped like ``words``: what
+    An array shaped like ``words``: what
     :func:`qtrain.pallas._common.decode_binary_to_16bit` (of ``~words``),
-    ``decode_int_to_16bit`` or ``byte_slot_to_top`` give for each slot.
+    ``decode_int_to_16bit`` or ``byte_slot_to_top`` give for slot ``s``.
   """
   bits = 1 if w_binary else w_bits
+  if not 0 <= s < 32 // bits:
+    raise ValueError(f"slot {s} out of range for {bits}-bit codes (0..{32 // bits - 1})")
   if a_format == "float":
-    per_half = 16 // bits
-    if s0 // per_half != (s0 + count - 1) // per_half:
-      raise ValueError(f"slots {s0}..{s0 + count - 1} cross a 16-bit half ({per_half} slots)")
-    asm, pack, dtype = _float16_ptx(s0, count, bits, w_binary, a_dtype), 2, jnp.dtype(a_dtype)
+    asm, pack, dtype = _float16_ptx(s, bits, w_binary, a_dtype), 2, jnp.dtype(a_dtype)
   else:
-    per_byte = 8 // bits
-    if s0 // per_byte != (s0 + count - 1) // per_byte:
-      raise ValueError(f"slots {s0}..{s0 + count - 1} cross a byte ({per_byte} slots)")
-    asm, pack, dtype = _byte_top_ptx(s0, count, bits), 4, jnp.dtype(jnp.int8)
-  constraints = ",".join(["=r"] * count + ["r"] * pack)
-  return list(_common.plt.elementwise_inline_asm(
-      asm, args=[words], constraints=constraints, pack=pack,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, dtype)] * count))
+    asm, pack, dtype = _byte_top_ptx(s, bits), 4, jnp.dtype(jnp.int8)
+  (out,) = _common.plt.elementwise_inline_asm(
+      asm, args=[words], constraints=",".join(["=r"] + ["r"] * pack), pack=pack,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, dtype)])
+  return out

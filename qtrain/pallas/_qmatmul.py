@@ -67,9 +67,6 @@ class BlockConfig:
       path with the inline-PTX decoders of :mod:`qtrain.pallas._asm` (two or
       four values per instruction; the same bits as the jnp decoders, which
       interpret mode always uses).
-    asm_group: slots (planes) decoded per inline-PTX call for 16-bit
-      outputs (a power of two, capped to one 16-bit half of a word); int8
-      outputs always decode one byte's fields per call.
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining depth of the K loop.
   """
@@ -83,7 +80,6 @@ class BlockConfig:
   decode16: bool = True
   byte_decode: bool = True
   asm: bool = True
-  asm_group: int = 4
 
   def __post_init__(self):
     for name in ("block_m", "block_n"):
@@ -94,8 +90,6 @@ class BlockConfig:
       raise ValueError(f"split_k={self.split_k} must be >= 1")
     if self.block_k is not None and (not _common.is_pow2(self.block_k) or self.block_k < 16):
       raise ValueError(f"block_k={self.block_k} must be None or a power of two >= 16")
-    if not _common.is_pow2(self.asm_group) or self.asm_group > 16:
-      raise ValueError(f"asm_group={self.asm_group} must be a power of two <= 16")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,8 +110,7 @@ class KernelSpec:
       dot's (K, N) operand directly (no transpose before the dot).
     decode16: 16-bit pattern decoders for bf16/f16 activations.
     byte_decode: int8 "field to top bits" decoders (see BlockConfig).
-    asm_group: 0 (jnp decoders), or the slots per inline-PTX decode call
-      (:mod:`qtrain.pallas._asm`; GPU only).
+    asm: inline-PTX decoders (:mod:`qtrain.pallas._asm`; GPU only).
   """
 
   w_format: WFormat
@@ -131,7 +124,7 @@ class KernelSpec:
   kn: bool = False
   decode16: bool = False
   byte_decode: bool = False
-  asm_group: int = 0
+  asm: bool = False
 
   @property
   def block_k(self) -> int:
@@ -229,24 +222,22 @@ def qmatmul_kernel(*refs, spec: KernelSpec, num_tiles: int, split_k: int,
     w_tile = a_tile = None
     if spec.w_format == "packed":
       w_tile = _w_slice(w_ref, t * pk, pk, spec.kn)
-      if spec.w_binary and spec.a_format == "float" and not spec.asm_group:
+      if spec.w_binary and spec.a_format == "float" and not spec.asm:
         w_tile = ~w_tile
     if spec.a_format == "binary":
       a_tile = a_ref[:, pl.ds(t * pk, pk)]
     gacc = zacc = None
     per_byte = 8 // spec.w_bits
-    byte = group = None
+    byte = None
     for s in range(spec.planes):
       k0 = t * block_k + s * pk
       if spec.a_format == "binary":
         a = _common.decode_binary_to_pm1_int8(a_tile, s)
       else:
         a = a_ref[:, pl.ds(k0, pk)]
-      if spec.asm_group:
-        if s % spec.asm_group == 0:
-          group = _asm.decode_group(w_tile, s, spec.asm_group, w_binary=spec.w_binary,
-                                    w_bits=spec.w_bits, a_format=spec.a_format, a_dtype=a_dtype)
-        w = group[s % spec.asm_group]
+      if spec.asm:
+        w = _asm.decode_slot(w_tile, s, w_binary=spec.w_binary, w_bits=spec.w_bits,
+                             a_format=spec.a_format, a_dtype=a_dtype)
       elif spec.byte_shift:
         if s % per_byte == 0:
           byte = _common.word_byte(w_tile, s // per_byte)
@@ -460,9 +451,7 @@ def qmatmul(a: jax.Array, w: jax.Array, *, spec: KernelSpec, k: int,
   if (config.asm and not interpret and spec.w_format == "packed" and bk_flat is None
       and _asm.supports(w_binary=spec.w_binary, w_bits=spec.w_bits, a_format=spec.a_format,
                         a_dtype=a.dtype, byte_shift=spec.byte_shift)):
-    spec = dataclasses.replace(spec, asm_group=_asm.group_size(
-        w_binary=spec.w_binary, w_bits=spec.w_bits, a_format=spec.a_format,
-        requested=config.asm_group))
+    spec = dataclasses.replace(spec, asm=True)
   if bk_flat is not None and spec.w_format == "packed":
     if spec.group_planes:
       bk_flat = min(bk_flat, spec.group_planes * spec.plane_k)

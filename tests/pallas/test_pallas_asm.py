@@ -87,22 +87,21 @@ def run_ptx(ptx: str, inputs: list[int], n_out: int) -> list[int]:
   return [regs[f"${i}"] for i in range(n_out)]
 
 
-def _emulate(words: np.ndarray, s0: int, count: int, *, binary, bits, a_format, dtype):
-  """Applies the decoder to a flat int32 array, instance by instance."""
+def _emulate(words: np.ndarray, s: int, *, binary, bits, a_format, dtype):
+  """Applies the slot-``s`` decoder to an int32 array, instance by instance."""
   flat = words.reshape(-1).astype(np.int64) & M32
+  b = 1 if binary else bits
   if a_format == "float":
-    ptx, pack = _asm._float16_ptx(s0, count, 1 if binary else bits, binary, dtype), 2
+    ptx, pack = _asm._float16_ptx(s, b, binary, dtype), 2
   else:
-    ptx, pack = _asm._byte_top_ptx(s0, count, 1 if binary else bits), 4
+    ptx, pack = _asm._byte_top_ptx(s, b), 4
   width = 32 // pack
-  outs = np.zeros((count, flat.size), np.int64)
+  out = np.zeros(flat.size, np.int64)
   for i in range(0, flat.size, pack):
-    res = run_ptx(ptx, [int(v) for v in flat[i:i + pack]], count)
-    for j, r in enumerate(res):
-      for e in range(pack):
-        outs[j, i + e] = (r >> (width * e)) & ((1 << width) - 1)
-  out_dtype = np.uint16 if pack == 2 else np.uint8
-  return [o.astype(out_dtype).reshape(words.shape) for o in outs]
+    (r,) = run_ptx(ptx, [int(v) for v in flat[i:i + pack]], 1)
+    for e in range(pack):
+      out[i + e] = (r >> (width * e)) & ((1 << width) - 1)
+  return out.astype(np.uint16 if pack == 2 else np.uint8).reshape(words.shape)
 
 
 def _jnp_decode(words, s, *, binary, bits, a_format, dtype):
@@ -116,39 +115,22 @@ def _jnp_decode(words, s, *, binary, bits, a_format, dtype):
   return np.asarray(_common.byte_slot_to_top(byte, s % per_byte, 1 if binary else bits)).view(np.uint8)
 
 
-CASES = [(True, 1), (False, 2), (False, 4)]
-
-
-@pytest.mark.parametrize("binary,bits", CASES)
+@pytest.mark.parametrize("binary,bits", [(True, 1), (False, 2), (False, 4)])
 @pytest.mark.parametrize("a_format,dtype", [("float", jnp.bfloat16), ("float", jnp.float16),
                                             ("int8", jnp.int8)])
-@pytest.mark.parametrize("requested", [1, 4, 16])
-def test_decoders_match_jnp_bit_for_bit(binary, bits, a_format, dtype, requested):
-  rng = np.random.default_rng(bits * 31 + requested)
+def test_decoders_match_jnp_bit_for_bit(binary, bits, a_format, dtype):
+  rng = np.random.default_rng(bits * 31 + len(a_format))
   words = rng.integers(-2**31, 2**31, (3, 8), dtype=np.int64).astype(np.int32)
-  b = 1 if binary else bits
-  g = _asm.group_size(w_binary=binary, w_bits=bits, a_format=a_format, requested=requested)
-  for s0 in range(0, 32 // b, g):
-    got = _emulate(words, s0, g, binary=binary, bits=bits, a_format=a_format, dtype=dtype)
-    for i in range(g):
-      want = _jnp_decode(words, s0 + i, binary=binary, bits=bits, a_format=a_format, dtype=dtype)
-      np.testing.assert_array_equal(got[i], want, err_msg=f"slot {s0 + i} (group at {s0})")
+  for s in range(32 // (1 if binary else bits)):
+    got = _emulate(words, s, binary=binary, bits=bits, a_format=a_format, dtype=dtype)
+    want = _jnp_decode(words, s, binary=binary, bits=bits, a_format=a_format, dtype=dtype)
+    np.testing.assert_array_equal(got, want, err_msg=f"slot {s}")
 
 
-def test_group_size_rules():
-  assert _asm.group_size(w_binary=True, w_bits=1, a_format="float", requested=16) == 16
-  assert _asm.group_size(w_binary=False, w_bits=4, a_format="float", requested=16) == 4
-  assert _asm.group_size(w_binary=False, w_bits=2, a_format="float", requested=4) == 4
-  assert _asm.group_size(w_binary=True, w_bits=1, a_format="int8", requested=2) == 8
-  assert _asm.group_size(w_binary=False, w_bits=4, a_format="int8", requested=16) == 2
-
-
-def test_groups_may_not_straddle_a_half_or_byte():
+def test_slot_out_of_range():
   w = jnp.zeros((4, 4), jnp.int32)
-  with pytest.raises(ValueError, match="cross a 16-bit half"):
-    _asm.decode_group(w, 2, 4, w_binary=False, w_bits=4, a_format="float", a_dtype=jnp.bfloat16)
-  with pytest.raises(ValueError, match="cross a byte"):
-    _asm.decode_group(w, 1, 2, w_binary=False, w_bits=4, a_format="int8", a_dtype=jnp.int8)
+  with pytest.raises(ValueError, match="slot 8 out of range for 4-bit codes"):
+    _asm.decode_slot(w, 8, w_binary=False, w_bits=4, a_format="float", a_dtype=jnp.bfloat16)
 
 
 def test_supports():
