@@ -2,10 +2,10 @@
 # The GPU measurements still open, batched for device calls (under 10 minutes each).
 # Each step has its own timeout; logs and JSON go to $OUT (default /tmp/qtrain_out).
 #
-#   OUT=/tmp/out bash benchmarks/gpu_pending.sh 1   # GPU tests, inline-PTX decoder exploration
+#   OUT=/tmp/out bash benchmarks/gpu_pending.sh 1   # GPU tests, kernel table at M = 1, 16
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 2   # training steps side by side, D = 4096
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 3   # training steps side by side, D = 1024
-#   OUT=/tmp/out bash benchmarks/gpu_pending.sh 4   # fused quantization kernel vs XLA, and in the step
+#   OUT=/tmp/out bash benchmarks/gpu_pending.sh 4   # inline-PTX decoder configs: 4096^2, W{2,4}A8
 #
 # Needs qwix as a wheel in .whl/ for the qwix rows (see benchmarks/RESULTS.md).
 set -u
@@ -22,10 +22,14 @@ PART=${1:-1}
 if [ "$PART" = 1 ]; then
 # The GPU test suite (kernels for real, GPU vs CPU numerics, inline-PTX vs jnp decoders).
 timeout 230 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider tests 2>&1 | grep -v Warn | tail -25 | tee "$OUT/gpu_tests.log"
-# Inline-PTX decoders in the small-M sub-byte kernels, config grid at M = 16.
-timeout 330 python3 benchmarks/explore_decode.py --budget-s 300 --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -12
+# The kernel table at M = 1 and 16 (default configs), with the XLA baselines.
+timeout 330 python3 benchmarks/kernels.py --ms 1,16 --shapes 8192x28672,4096x4096 --budget-s 300 \
+  --json "$OUT/kernels.json" 2>&1 | grep -v Warn | tee "$OUT/kernels.log" | tail -40
 elif [ "$PART" = 4 ]; then
-timeout 560 python3 benchmarks/explore_quantize.py --step --json "$OUT/quant.json" 2>&1 | grep -v Warning | tee "$OUT/quant.log" | tail -40
+timeout 200 python3 benchmarks/explore_decode.py --k 4096 --n 4096 --budget-s 170 \
+  --kernels "binary W1A16,binary W1A8,int2 W2A16 g128,int4 W4A16 g128" --json "$OUT/decode4096.json" 2>&1 | tee "$OUT/decode4096.log" | tail -8
+timeout 200 python3 benchmarks/explore_decode.py --budget-s 170 --kernels "int4 W4A8 g128,int2 W2A8 g128" \
+  --json "$OUT/decode_a8.json" 2>&1 | tee "$OUT/decode_a8.log" | tail -8
 elif [ "$PART" = 2 ]; then
 timeout 560 python3 benchmarks/train_step.py --widths 4096 --tokens 8192 --steps 10 --repeats 3 \
   --configs $STEP_CONFIGS --json "$OUT/step4096.json" 2>&1 | grep -v Warning | tee "$OUT/step4096.log" | tail -14

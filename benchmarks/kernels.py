@@ -303,7 +303,7 @@ def main():
     for key, cfg in best_cfgs.items():
       print(f"  {key}: BlockConfig(block_m={cfg.block_m}, block_n={cfg.block_n}, "
             f"split_k={cfg.split_k}, num_warps={cfg.num_warps}, num_stages={cfg.num_stages}),")
-  header = (f"\n## Kernels — {datetime.date(2026, 11, 21)} — {dev.device_kind} — jax {jax.__version__}\n\n"
+  header = (f"\n## Kernels — {datetime.date.today()} — {dev.device_kind} — jax {jax.__version__}\n\n"
             f"Command: `PYTHONPATH=. python {' '.join(sys.argv)}`\n\n"
             f"Measured copy bandwidth {bw / 1e12:.2f} TB/s (XLA elementwise, read+write); "
             f"measured XLA bf16 peak {peak / 1e12:.0f} TFLOP/s (8192^3). "

@@ -425,8 +425,7 @@ def test_gemm_layout_leaves_gradients_unchanged(layout):
   for x_bar, y, dn_x, swap, shape in ((gx, wq, dn, False, ls), (gw, xq, ((rc, lc), (rb, lb)), True, rs)):
     dims, perm, g_free = dqt.transpose_dims(dn_x, len(shape), y.ndim, swap_ans=swap)
     x_kept = len(qdot_lib.free_axes(len(shape), dn_x[0][0], dn_x[1][0]))
-    mult, y2 = dqt._fold_scale(g, y, dims, swap, x_kept)
-    g2 = g if mult is None else g.astype(jnp.float32) * mult
+    g2, y2 = dqt._fold_scale(g, y, dims, swap, x_kept)
     gq = qarray.quantize(g2, qarray.QuantizeSpec(qtype="int8", channelwise_axes=g_free))
     ref = jax.lax.dot_general(np.asarray(qarray.dequantize(gq), np.float64),
                               np.asarray(qarray.dequantize(y2), np.float64), dims)

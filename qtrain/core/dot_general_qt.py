@@ -83,17 +83,15 @@ def transpose_dims(dn, x_ndim: int, y_ndim: int, *, swap_ans: bool):
 def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
   """Moves ``y``'s scale into ``g`` when it varies along the contraction.
 
-  Returns (mult, y') — ``g`` is to be multiplied by ``mult`` (float32,
-  broadcasting against ``g``; None if nothing to fold) — or None when the
-  scale varies jointly along contracted and free axes of this product (then
-  the caller multiplies in float).
+  Returns (g', y') or None when the scale varies jointly along contracted and
+  free axes of this product (then the caller multiplies in float).
   """
   (gc, yk), (gb, yb) = dims
   ys = y.scale
   y_free = [a for a in range(y.ndim) if a not in yk and a not in yb]
   varies = lambda axes: any(ys.shape[a] != 1 for a in axes)
   if not varies(yk):
-    return None, y
+    return g, y
   if varies(y_free):
     return None
   t = jnp.transpose(ys, tuple(yb) + tuple(yk) + tuple(y_free))
@@ -103,8 +101,9 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
     s_g = t.reshape(t.shape + (1,) * nxk)
   else:
     s_g = t.reshape(t.shape[:nb] + (1,) * nxk + t.shape[nb:])
+  g2 = g.astype(jnp.float32) * s_g
   y2 = dataclasses.replace(y, scale=jnp.ones((1,) * y.ndim, jnp.float32))
-  return s_g.astype(jnp.float32), y2
+  return g2, y2
 
 
 def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, key,
@@ -115,13 +114,13 @@ def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, k
   dims, perm, g_free = transpose_dims(dn_x_first, x_ndim, y_res.ndim, swap_ans=swap_ans)
   g_in = g
   if gq is not None:
-    y_in, mult = y_res, None
+    y_in = y_res
     if qdot.is_quantized(y_res):
       x_kept = len(qdot.free_axes(x_ndim, dn_x_first[0][0], dn_x_first[1][0]))
       folded = _fold_scale(g, y_res, dims, swap_ans, x_kept)
       if folded is not None:
-        mult, y_in = folded
-    g_in = quantize_grad(g, gq, g_free, key, mult=mult, implementation=implementation)
+        g_in, y_in = folded
+    g_in = quantize_grad(g_in, gq, g_free, key)
   else:
     y_in = y_res
   r = dispatch.quantized_dot_general(g_in, y_in, dims, preferred_element_type=jnp.float32,
@@ -141,11 +140,10 @@ def _forward(lhs, rhs, lhs_scale, rhs_scale, dn, config, precision, out_dtype):
   from qtrain.pallas import dispatch
 
   (lc, rc), (lb, rb) = dn
-  impl = config.implementation
   lres = quantize_operand(lhs, config.lhs, lhs_scale, _channel_axes(lhs.ndim, lc, lb),
-                          lc[-1] if lc else None, "lhs", impl)
+                          lc[-1] if lc else None, "lhs")
   rres = quantize_operand(rhs, config.rhs, rhs_scale, _channel_axes(rhs.ndim, rc, rb),
-                          rc[-1] if rc else None, "rhs", impl)
+                          rc[-1] if rc else None, "rhs")
   if config.lhs is None and config.rhs is None:
     out = _lax.dot_general(lhs, rhs, dn, precision=precision, preferred_element_type=out_dtype)
   else:

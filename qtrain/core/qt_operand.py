@@ -53,21 +53,15 @@ class OperandResidual:
   given_scale: Any      # the passed-in scale (its original shape), or None
 
 
-def quantize_operand(x, oq, given_scale, channel_axes, tile_axis, what,
-                     implementation: str = "xla") -> OperandResidual:
-  """Quantizes one forward operand (or keeps it float) and builds its residual.
-
-  ``implementation`` (the op config's) lets :func:`qtrain.pallas.quantize.
-  quantize_qarray` run a calibrated quantization as one fused kernel (same bits).
-  """
+def quantize_operand(x, oq, given_scale, channel_axes, tile_axis, what) -> OperandResidual:
+  """Quantizes one forward operand (or keeps it float) and builds its residual."""
   if oq is None:
     if given_scale is not None:
       raise ValueError(f"{what}_scale was given but config.{what} is None (the operand is float)")
     return OperandResidual(value=x, mask=None, x=None, given_scale=None)
   spec = operand_spec(oq, x.ndim, channel_axes, tile_axis)
   if given_scale is None:
-    from qtrain.pallas import quantize as _pq  # the kernels' seam (lazy: pallas imports core)
-    q = _pq.quantize_qarray(x, spec, implementation=implementation)
+    q = qa.quantize(x, spec)
   else:
     q = qa.quantize_with_scale(x, oq.qtype, as_scale(given_scale, x.shape, f"{what}_scale"))
   full_scale = qa.expand_scale(q.scale, x.shape)
@@ -96,13 +90,10 @@ def finish_operand_grad(x_bar, res: OperandResidual, oq, dtype):
   return x_bar.astype(dtype), scale_bar
 
 
-def quantize_grad(g, gq: cfg_lib.GradQuant, channel_axes, key, *, mult=None,
-                  implementation: str = "xla"):
-  """Quantizes an incoming gradient ``g`` (times ``mult``, a folded scale, in float32)."""
-  from qtrain.pallas import quantize as _pq  # the kernels' seam (lazy: pallas imports core)
+def quantize_grad(g, gq: cfg_lib.GradQuant, channel_axes, key):
   spec = qa.QuantizeSpec(qtype=gq.qtype, channelwise_axes=channel_axes,
                          calibration=gq.calibration, stochastic_rounding=gq.stochastic_rounding)
-  return _pq.quantize_qarray(g, spec, key=key, mult=mult, implementation=implementation)
+  return qa.quantize(g, spec, key=key)
 
 
 def as_key(key) -> jax.Array | None:

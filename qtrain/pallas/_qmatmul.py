@@ -507,12 +507,14 @@ def heuristic_config(m: int, n_pad: int, num_tiles: int, *, sms: int = 132) -> B
   128 x 128 tiles.
   """
   if m <= 16:
-    bn = 64 if n_pad % 64 == 0 else 16
+    # block_n = 128 measured best at M = 16 for every packed kernel with the
+    # inline-PTX decoders (benchmarks/RESULTS.md, "Inline-PTX decoders").
+    bn = next(b for b in (128, 64, 16) if n_pad % b == 0)
     split = 1
     programs = n_pad // bn
-    while programs * split < 2 * sms and split * 4 <= num_tiles:
+    while programs * split < 2 * sms and num_tiles // (split * 2) >= 4:
       split *= 2
-    return BlockConfig(block_m=16, block_n=bn, split_k=split, num_warps=4, num_stages=4)
+    return BlockConfig(block_m=16, block_n=bn, split_k=split, num_warps=4, num_stages=3)
   if m <= 64:
     # The plane path's 32 separate activation loads per K tile, pipelined,
     # overflow shared memory at block_m = 64 (measured): use the flat path.
