@@ -37,8 +37,8 @@ from qtrain.pallas.prepared import PreparedWeight
 BlockConfig = _qmatmul.BlockConfig
 
 # Measured on one H200 (jax 0.11.2, benchmarks/kernels.py --explore, 2026-11-21;
-# the "float" and "int8" rows at M <= 16 and K=8192, N=28672 with the inline-PTX
-# decoders, benchmarks/explore_decode.py, 2026-11-22);
+# the "float" and "int8" rows at M <= 16 with the inline-PTX decoders,
+# benchmarks/explore_decode.py, 2026-11-22);
 # key: (activation format, K, N, M bucket). Missing keys use the heuristic.
 _LARGE_M = BlockConfig(block_m=128, block_n=256, num_warps=8, num_stages=3, block_k=64)
 CONFIGS: dict[tuple, BlockConfig] = {
@@ -49,7 +49,7 @@ CONFIGS: dict[tuple, BlockConfig] = {
     ("binary", 8192, 28672, 16): BlockConfig(block_m=16, block_n=256, num_warps=8, num_stages=3),
     ("binary-pc", 8192, 28672, 16): BlockConfig(block_m=16, block_n=128, num_warps=4, num_stages=3),
     ("float", 4096, 4096, 16): BlockConfig(block_m=16, block_n=128, split_k=4, num_warps=4, num_stages=3),
-    ("int8", 4096, 4096, 16): BlockConfig(block_m=16, block_n=64, split_k=4, num_warps=4, num_stages=4),
+    ("int8", 4096, 4096, 16): BlockConfig(block_m=16, block_n=64, num_warps=4, num_stages=3),
     ("binary", 4096, 4096, 16): BlockConfig(block_m=16, block_n=64, split_k=4, num_warps=4, num_stages=4),
     ("binary-pc", 4096, 4096, 16): BlockConfig(block_m=16, block_n=64, split_k=4, num_warps=4, num_stages=4),
 }

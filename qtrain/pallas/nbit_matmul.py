@@ -29,7 +29,7 @@ from qtrain.pallas.prepared import PreparedWeight
 BlockConfig = _qmatmul.BlockConfig
 
 # Measured on one H200 (jax 0.11.2, benchmarks/kernels.py --explore, 2026-11-21;
-# the int2/int4 "float" rows at M <= 16 and K=8192, N=28672 with the inline-PTX
+# the int2/int4 rows at M <= 16 and K=8192, N=28672 with the inline-PTX
 # decoders, benchmarks/explore_decode.py, 2026-11-22);
 # key: (qtype, act format, K, N, M bucket). Missing keys use the heuristic.
 _LARGE_M = BlockConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, block_k=128)
@@ -38,6 +38,8 @@ CONFIGS: dict[tuple, BlockConfig] = {
        for k, n in ((8192, 28672), (4096, 4096)) for mb in (512, 4096)},
     ("int2", "float", 8192, 28672, 16): BlockConfig(block_m=16, block_n=128, split_k=4, num_warps=4, num_stages=3),
     ("int4", "float", 8192, 28672, 16): BlockConfig(block_m=16, block_n=128, split_k=4, num_warps=4, num_stages=3),
+    ("int2", "int8", 8192, 28672, 16): BlockConfig(block_m=16, block_n=128, split_k=2, num_warps=4, num_stages=3),
+    ("int4", "int8", 8192, 28672, 16): BlockConfig(block_m=16, block_n=128, split_k=2, num_warps=4, num_stages=3),
     ("int8", "float", 8192, 28672, 16): BlockConfig(block_m=16, block_n=128, num_warps=4, num_stages=3),
     ("int2", "float", 4096, 4096, 16): BlockConfig(block_m=16, block_n=64, split_k=4, num_warps=4, num_stages=4),
     ("int4", "float", 4096, 4096, 16): BlockConfig(block_m=16, block_n=64, split_k=4, num_warps=4, num_stages=4),
