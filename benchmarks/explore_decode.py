@@ -52,19 +52,31 @@ def reference(kernel, ops):
   return kb.reference(kernel, ops)
 
 
-def candidates(kernel: str) -> list[BlockConfig]:
+def candidates(kernel: str, extra: bool = False) -> list[BlockConfig]:
+  """The block_n x split_k grid, or (``extra``) deeper pipelines and more warps
+  around the best grid point (bn128, split 1-2)."""
   del kernel  # the same grid for every kernel
   out = []
+  if extra:
+    for sk in (1, 2):
+      for warps, stages in ((4, 4), (4, 5), (8, 3), (8, 4), (2, 3)):
+        out.append(BlockConfig(block_m=16, block_n=128, split_k=sk, num_warps=warps,
+                               num_stages=stages))
+    return out
   for bn, warps in ((64, 4), (128, 4), (256, 8)):
     for sk in (1, 2, 4):
       out.append(BlockConfig(block_m=16, block_n=bn, split_k=sk, num_warps=warps, num_stages=3))
   return out
 
 
+PLANE_WORDS = 32  # set from --plane-words (reported in every row)
+
+
 def describe(cfg: BlockConfig | None) -> str:
   if cfg is None:
     return "shipped default (jnp decoders)"
-  return (f"bn{cfg.block_n} w{cfg.num_warps} sk{cfg.split_k} s{cfg.num_stages} "
+  pw = f" pw{PLANE_WORDS}" if PLANE_WORDS != 32 else ""
+  return (f"bn{cfg.block_n} w{cfg.num_warps} sk{cfg.split_k} s{cfg.num_stages}{pw} "
           + ("asm" if cfg.asm else "jnp"))
 
 
@@ -75,12 +87,27 @@ def main():
   ap.add_argument("--m", type=int, default=16)
   ap.add_argument("--kernels", default=",".join(KERNELS))
   ap.add_argument("--budget-s", type=float, default=400)
+  ap.add_argument("--extra", action="store_true",
+                  help="deeper pipelines / more warps at block_n 128 instead of the main grid")
+  ap.add_argument("--plane-words", type=int, default=32,
+                  help="words per plane of the packed weights (prepare_weight's plane_words)")
   ap.add_argument("--json", default="")
   args = ap.parse_args()
   t0 = time.time()
+  global PLANE_WORDS
+  PLANE_WORDS = args.plane_words
   print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}", flush=True)
   ops = kb.Operands(args.m, args.k, args.n)
-  ops.packed_nk = {qt: kb.prepared.prepare_weight(q, qt, scale=s, group_size=kb.GROUP)
+  pw = args.plane_words
+  if pw != 32:  # re-lay out every packed weight with the requested plane width
+    prep = kb.prepared.prepare_weight
+    ops.w_bin = prep(ops.w_bin_values, "binary", scale=ops.w_bin.w_scale[0, :args.n], plane_words=pw)
+    ops.w_bin_kn = prep(ops.w_bin_values, "binary", scale=ops.w_bin.w_scale[0, :args.n],
+                        plane_words=pw, kn=True)
+    ops.packed = {qt: (q, s, prep(q, qt, scale=s, group_size=kb.GROUP, kn=True, plane_words=pw))
+                  for qt, (q, s, _) in ops.packed.items()}
+  ops.packed_nk = {qt: kb.prepared.prepare_weight(q, qt, scale=s, group_size=kb.GROUP,
+                                                  plane_words=pw)
                    for qt, (q, s, _) in ops.packed.items()}
   t_bf16 = _timing.time_in_loop(lambda x, w: x @ w, ops.x, ops.w_t)
   print(f"xla bf16: {t_bf16 * 1e6:.1f} us", flush=True)
@@ -105,7 +132,7 @@ def main():
     except Exception as e:  # noqa: BLE001
       print(f"FAIL {kernel} jnp default: {type(e).__name__}: {str(e)[:300]}", flush=True)
     best = None
-    for cfg in candidates(kernel):
+    for cfg in candidates(kernel, args.extra):
       if time.time() - t0 > args.budget_s:
         print("budget exhausted", flush=True)
         break

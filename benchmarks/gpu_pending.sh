@@ -6,6 +6,7 @@
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 2   # training steps side by side, D = 4096
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 3   # training steps side by side, D = 1024
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 4   # inline-PTX decoder configs: 4096^2, W{2,4}A8
+#   OUT=/tmp/out bash benchmarks/gpu_pending.sh 5   # deeper pipelines / plane width; fp8 layouts vs qwix
 #
 # Needs qwix as a wheel in .whl/ for the qwix rows (see benchmarks/RESULTS.md).
 set -u
@@ -30,6 +31,13 @@ timeout 200 python3 benchmarks/explore_decode.py --k 4096 --n 4096 --budget-s 17
   --kernels "binary W1A16,binary W1A8,int2 W2A16 g128,int4 W4A16 g128" --json "$OUT/decode4096.json" 2>&1 | tee "$OUT/decode4096.log" | tail -8
 timeout 200 python3 benchmarks/explore_decode.py --budget-s 170 --kernels "int4 W4A8 g128,int2 W2A8 g128" \
   --json "$OUT/decode_a8.json" 2>&1 | tee "$OUT/decode_a8.log" | tail -8
+elif [ "$PART" = 5 ]; then
+timeout 130 python3 benchmarks/explore_decode.py --extra --budget-s 110 \
+  --kernels "binary W1A8,binary W1A16,int4 W4A8 g128" --json "$OUT/decode_extra.json" 2>&1 | tee "$OUT/decode_extra.log" | tail -8
+timeout 110 python3 benchmarks/explore_decode.py --plane-words 64 --budget-s 90 \
+  --kernels "binary W1A8,binary W1A16" --json "$OUT/decode_pw64.json" 2>&1 | tee "$OUT/decode_pw64.log" | tail -6
+timeout 280 python3 benchmarks/train_step.py --widths 4096 --tokens 8192 --steps 10 --repeats 3 \
+  --configs bf16,qtrain_fp8_nosr,qtrain_fp8_nosr_xla,qwix_fp8 --json "$OUT/step_fp8.json" 2>&1 | grep -v Warning | tee "$OUT/step_fp8.log" | tail -9
 elif [ "$PART" = 2 ]; then
 timeout 560 python3 benchmarks/train_step.py --widths 4096 --tokens 8192 --steps 10 --repeats 3 \
   --configs $STEP_CONFIGS --json "$OUT/step4096.json" 2>&1 | grep -v Warning | tee "$OUT/step4096.log" | tail -14
