@@ -1,8 +1,8 @@
 """Small-M sub-byte kernels: inline-PTX decoders (qtrain.pallas._asm) vs the jnp ones.
 
-For each kernel at M = 16 on (K, N) = (8192, 28672), times the shipped
-config with the jnp decoders (``asm=False``) and a grid of configs with the
-inline-PTX decoders (block_n, warps, split-K), checks
+For each kernel at M = 16 on (K, N) = (8192, 28672), times the wrapper's
+default config and a grid of configs with the inline-PTX decoders (block_n,
+warps, split-K), checks
 each against the kernel's f32 reference and the best asm config bit for bit
 against the jnp decoders, and prints a table (XLA bf16 measured in the same
 run). GPU only.
@@ -69,13 +69,10 @@ def candidates(kernel: str, extra: bool = False) -> list[BlockConfig]:
   return out
 
 
-PLANE_WORDS = 32  # set from --plane-words (reported in every row)
-
-
-def describe(cfg: BlockConfig | None) -> str:
+def describe(cfg: BlockConfig | None, plane_words: int = 32) -> str:
+  pw = f" pw{plane_words}" if plane_words != 32 else ""
   if cfg is None:
-    return "shipped default (jnp decoders)"
-  pw = f" pw{PLANE_WORDS}" if PLANE_WORDS != 32 else ""
+    return "default config" + pw
   return (f"bn{cfg.block_n} w{cfg.num_warps} sk{cfg.split_k} s{cfg.num_stages}{pw} "
           + ("asm" if cfg.asm else "jnp"))
 
@@ -94,8 +91,6 @@ def main():
   ap.add_argument("--json", default="")
   args = ap.parse_args()
   t0 = time.time()
-  global PLANE_WORDS
-  PLANE_WORDS = args.plane_words
   print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}", flush=True)
   ops = kb.Operands(args.m, args.k, args.n)
   pw = args.plane_words
@@ -117,7 +112,7 @@ def main():
     out = jax.jit(fn)(*fargs)
     err = float(kb.rel_err(out, ref))
     t = _timing.time_in_loop(fn, *fargs)
-    row = dict(kernel=kernel, config=describe(cfg), us=t * 1e6, rel_err=err,
+    row = dict(kernel=kernel, config=describe(cfg, pw), us=t * 1e6, rel_err=err,
                vs_bf16=t_bf16 / t)
     rows.append(row)
     print(f"  {kernel:16s} {row['config']:34s} {t * 1e6:8.1f} us  {t_bf16 / t:5.2f}x  err {err:.1e}",
@@ -126,11 +121,10 @@ def main():
 
   for kernel in [k for k in args.kernels.split(",") if k]:
     ref = reference(kernel, ops)
-    try:  # the shipped default config, with the jnp decoders
-      record(kernel, None, *kernel_fn(kernel, ops, dataclasses.replace(
-          _default_config(kernel, ops), asm=False)), ref)
+    try:  # what the wrapper picks (CONFIGS table / heuristic)
+      record(kernel, None, *kernel_fn(kernel, ops, None), ref)
     except Exception as e:  # noqa: BLE001
-      print(f"FAIL {kernel} jnp default: {type(e).__name__}: {str(e)[:300]}", flush=True)
+      print(f"FAIL {kernel} default config: {type(e).__name__}: {str(e)[:300]}", flush=True)
     best = None
     for cfg in candidates(kernel, args.extra):
       if time.time() - t0 > args.budget_s:
@@ -139,7 +133,7 @@ def main():
       try:
         t, out = record(kernel, cfg, *kernel_fn(kernel, ops, cfg), ref)
       except Exception as e:  # noqa: BLE001
-        print(f"FAIL {kernel} {describe(cfg)}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        print(f"FAIL {kernel} {describe(cfg, pw)}: {type(e).__name__}: {str(e)[:300]}", flush=True)
         continue
       if best is None or t < best[0]:
         best = (t, cfg, out)
@@ -149,9 +143,9 @@ def main():
       jcfg = dataclasses.replace(cfg, asm=False)
       tj, outj = record(kernel, jcfg, *kernel_fn(kernel, ops, jcfg), ref)
       same = bool(np.array_equal(np.asarray(out, np.float32), np.asarray(outj, np.float32)))
-      rows.append(dict(kernel=kernel, config=f"BEST {describe(cfg)}", us=t * 1e6,
+      rows.append(dict(kernel=kernel, config=f"BEST {describe(cfg, pw)}", us=t * 1e6,
                        vs_bf16=t_bf16 / t, asm_equals_jnp=same, jnp_same_config_us=tj * 1e6))
-      print(f"BEST {kernel}: {describe(cfg)} {t * 1e6:.1f} us ({t_bf16 / t:.2f}x bf16); "
+      print(f"BEST {kernel}: {describe(cfg, pw)} {t * 1e6:.1f} us ({t_bf16 / t:.2f}x bf16); "
             f"jnp decoders, same config: {tj * 1e6:.1f} us; asm == jnp bits: {same}", flush=True)
     if args.json:
       with open(args.json, "w") as f:
@@ -160,21 +154,6 @@ def main():
   for r in rows:
     if r["config"].startswith("BEST") or r["kernel"] == "xla bf16":
       print(f"| {r['kernel']} | {r['config']} | {r['us']:.1f} | {r.get('vs_bf16', 1.0):.2f}x |")
-
-
-def _default_config(kernel, ops):
-  """The config the public wrapper would pick for this call (CONFIGS table / heuristic)."""
-  from qtrain.pallas import _qmatmul, binary_matmul as bmm  # noqa: PLC0415
-  fn, fargs = kernel_fn(kernel, ops, None)
-  w = fargs[1]
-  fmt = "int8" if fargs[0].dtype == jnp.int8 else "float"
-  table = bmm.CONFIGS if kernel.startswith("binary") else nbm.CONFIGS
-  key = (fmt, w.k, w.n) if kernel.startswith("binary") else _nbit_key(w, fmt)
-  return _qmatmul.select_config(table, key, ops.m, w.n_pad, w.k_words // w.plane_k)
-
-
-def _nbit_key(w, fmt):
-  return (w.qtype, fmt, w.k, w.n)
 
 
 if __name__ == "__main__":

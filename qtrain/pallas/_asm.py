@@ -5,10 +5,11 @@ instructions *per decoded value* (Triton has no width-changing bitcast), and
 the small-M sub-byte kernels are bound by that decode (benchmarks/RESULTS.md,
 "What limits the sub-byte kernels"). These decoders emit PTX through
 ``pallas.triton.elementwise_inline_asm`` and work on two (16-bit outputs) or
-four (int8 outputs) values per instruction (one slot, i.e. one plane of the plane layout, per
-call; the byte shuffles that gather the words' bits are the same for the
-slots of one half-word / byte, and ``ptxas`` is free to share them, since it
-optimizes the whole PTX, inline assembly included):
+four (int8 outputs) values per instruction, one slot (one plane of the plane
+layout) per call: Pallas lowers a single result per call. The byte shuffles
+that gather the words' bits are the same for the slots of one half-word or
+byte, and ``ptxas``, which optimizes the whole PTX, inline assembly
+included, is free to share them:
 
 * ``float16`` (binary / int2 / int4 weights, bf16 or f16 activations; two
   words per instance): ``prmt`` puts the low (or high) halves of the two

@@ -509,7 +509,7 @@ def heuristic_config(m: int, n_pad: int, num_tiles: int, *, sms: int = 132) -> B
   if m <= 16:
     # block_n = 128 measured best at M = 16 for every packed kernel with the
     # inline-PTX decoders (benchmarks/RESULTS.md, "Inline-PTX decoders").
-    bn = next(b for b in (128, 64, 16) if n_pad % b == 0)
+    bn = next((b for b in (128, 64) if n_pad % b == 0), 16)
     split = 1
     programs = n_pad // bn
     while programs * split < 2 * sms and num_tiles // (split * 2) >= 4:

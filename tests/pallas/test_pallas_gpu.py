@@ -3,6 +3,8 @@
 Run on the GPU machine: ``PYTHONPATH=. python -m pytest -m gpu tests/pallas``.
 """
 
+import dataclasses
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -143,7 +145,6 @@ def test_asm_decoders_same_bits_as_jnp_gpu(qtype, group, act, kn):
       w = prepared.prepare_weight(wv, qtype, scale=ws, kn=kn)
       ref = nbm.nbit_matmul_reference(x, wv, w_scale=ws, x_scale=xs)
     call = lambda c: jax.jit(lambda x, w: nbm.nbit_matmul(x, w, x_scale=xs, config=c))(x, w)
-  import dataclasses
   out_asm = call(cfg)
   out_jnp = call(dataclasses.replace(cfg, asm=False))
   np.testing.assert_array_equal(np.asarray(out_asm, np.float32), np.asarray(out_jnp, np.float32))
