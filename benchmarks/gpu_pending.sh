@@ -26,6 +26,15 @@ timeout 230 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider tests 2>&1 | gr
 # The kernel table at M = 1 and 16 (default configs), with the XLA baselines.
 timeout 330 python3 benchmarks/kernels.py --ms 1,16 --shapes 8192x28672,4096x4096 --budget-s 300 \
   --json "$OUT/kernels.json" 2>&1 | grep -v Warn | tee "$OUT/kernels.log" | tail -40
+elif [ "$PART" = 6 ]; then
+# The GPU test suite, then the kernel table at M = 1, 16, 64 with the Mosaic rows (checked).
+timeout 300 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider tests 2>&1 | grep -v Warn | tail -25 | tee "$OUT/gpu_tests.log"
+timeout 260 python3 benchmarks/kernels.py --ms 1,16,64 --shapes 8192x28672,4096x4096 --budget-s 230 --check \
+  --kernels "binary W1A16,int4 W4A16 g128,int4 W4A16,int8 W8A16,mosaic W1A16,mosaic W4A16,mosaic W8A16" \
+  --json "$OUT/kernels_mosaic.json" 2>&1 | grep -v Warn | tee "$OUT/kernels_mosaic.log" | tail -45
+elif [ "$PART" = 7 ]; then
+timeout 330 python3 benchmarks/train_step.py --widths 4096 --tokens 8192 --steps 10 --repeats 3 \
+  --configs bf16,qtrain_fp8_nosr_xla,qwix_fp8 --json "$OUT/step_fp8_xla.json" 2>&1 | grep -v Warning | tee "$OUT/step_fp8_xla.log" | tail -9
 elif [ "$PART" = 4 ]; then
 timeout 200 python3 benchmarks/explore_decode.py --k 4096 --n 4096 --budget-s 170 \
   --kernels "binary W1A16,binary W1A8,int2 W2A16 g128,int4 W4A16 g128" --json "$OUT/decode4096.json" 2>&1 | tee "$OUT/decode4096.log" | tail -8

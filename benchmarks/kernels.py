@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import _timing  # noqa: E402
 from qtrain.pallas import binary_matmul as bmm  # noqa: E402
 from qtrain.pallas import int8_matmul as imm  # noqa: E402
+from qtrain.pallas import mosaic_matmul as mm  # noqa: E402
 from qtrain.pallas import nbit_matmul as nbm  # noqa: E402
 from qtrain.pallas import prepared  # noqa: E402
 from qtrain.pallas._qmatmul import BlockConfig, heuristic_config  # noqa: E402
@@ -45,14 +46,20 @@ from qtrain.pallas._qmatmul import BlockConfig, heuristic_config  # noqa: E402
 MS = (1, 16, 64, 512, 4096)
 SHAPES = ((4096, 4096), (8192, 28672))
 GROUP = 128
+MOSAIC_KERNELS = ("mosaic W1A16", "mosaic W4A16", "mosaic W8A16")  # per-channel scales, M <= 128
 KERNELS = ("binary W1A16", "binary W1A8", "binary W1A1", "int2 W2A16 g128", "int4 W4A16 g128",
-           "int8 W8A16", "int8 x int8")
+           "int4 W4A16", "int8 W8A16", "int8 x int8") + MOSAIC_KERNELS
+_MOSAIC_QTYPE = {"mosaic W1A16": "binary", "mosaic W4A16": "int4", "mosaic W8A16": "int8"}
 
 
 def weight_bytes(kernel: str, n: int, k: int) -> float:
   """Bytes of weights (plus scales) a kernel must stream."""
   if kernel.startswith("xla bf16"):
     return 2 * n * k
+  if kernel in _MOSAIC_QTYPE:
+    return n * k * {"binary": 1, "int4": 4, "int8": 8}[_MOSAIC_QTYPE[kernel]] / 8 + 4 * n
+  if kernel == "int4 W4A16":
+    return n * k / 2 + 4 * n
   if kernel.startswith("binary"):
     return n * k / 8 + 4 * n
   if kernel.startswith("int2"):
@@ -64,6 +71,8 @@ def weight_bytes(kernel: str, n: int, k: int) -> float:
 
 def candidates(kernel: str, m: int, n: int, k: int) -> list[BlockConfig | None]:
   """Block configs tried by --explore (and when a default config fails)."""
+  if kernel in _MOSAIC_QTYPE:
+    return [None]  # explored in benchmarks/explore_mosaic.py
   if m <= 64:
     bm = 16 if m <= 16 else 64
     if n >= 16384:
@@ -105,7 +114,16 @@ class Operands:
       s = jnp.max(jnp.abs(wg), axis=2) / qmax
       q = jnp.clip(jnp.round(wg / s[..., None]), -qmax - 1, qmax).astype(jnp.int8).reshape(n, k)
       self.packed[qt] = (q, s, prepared.prepare_weight(q, qt, scale=s, group_size=GROUP, kn=True))
-    jax.block_until_ready((self.w_bin, self.w8, self.packed, self.xw))
+    s4 = jnp.max(jnp.abs(w), axis=1) / 7
+    self.w4_values = jnp.clip(jnp.round(w / s4[:, None]), -8, 7).astype(jnp.int8)
+    self.w4_scale = s4
+    self.w4 = prepared.prepare_weight(self.w4_values, "int4", scale=s4, kn=True)
+    self.mosaic = {}
+    if m <= mm.MAX_M:
+      for name, (vals, sc) in {"binary": (self.w_bin_values, absw), "int4": (self.w4_values, s4),
+                               "int8": (self.w8_values, self.w8_scale)}.items():
+        self.mosaic[name] = mm.prepare_mosaic_weight(vals, name, scale=sc)
+    jax.block_until_ready((self.w_bin, self.w8, self.packed, self.xw, self.w4, self.mosaic))
 
 
 def kernel_fn(kernel: str, ops: Operands, config, method: str = "mma"):
@@ -129,11 +147,16 @@ def kernel_fn(kernel: str, ops: Operands, config, method: str = "mma"):
   if kernel == "binary W1A1":
     return (lambda x, w: bmm.binary_matmul(x, w, out_dtype=out, config=config, method=method)), (
         ops.xw, ops.w_bin)
+  if kernel == "int4 W4A16":  # per-channel scales
+    return (lambda x, w: nbm.nbit_matmul(x, w, out_dtype=out, config=config)), (ops.x, ops.w4)
   if kernel.startswith("int2") or kernel.startswith("int4"):
     w = ops.packed[kernel[:4]][2]
     return (lambda x, w: nbm.nbit_matmul(x, w, out_dtype=out, config=config)), (ops.x, w)
   if kernel == "int8 W8A16":
     return (lambda x, w: nbm.nbit_matmul(x, w, out_dtype=out, config=config)), (ops.x, ops.w8)
+  if kernel in _MOSAIC_QTYPE:
+    return (lambda x, w: mm.mosaic_matmul(x, w, out_dtype=out, config=config)), (
+        ops.x, ops.mosaic[_MOSAIC_QTYPE[kernel]])
   if kernel == "int8 x int8":
     return (lambda x, w, s: imm.int8_matmul(x, w, x_scale=s, out_dtype=out, config=config)), (
         ops.xq, ops.w8, ops.xs)
@@ -150,6 +173,13 @@ def reference(kernel: str, ops: Operands) -> jax.Array:
   if kernel == "binary W1A1":
     xb = jnp.where(ops.x > 0, 1, -1).astype(jnp.int8)
     return bmm.binary_matmul_reference(xb, ops.w_bin_values, w_scale=ops.w_bin.w_scale[0, :ops.n])
+  if kernel in _MOSAIC_QTYPE:
+    qt = _MOSAIC_QTYPE[kernel]
+    w = ops.mosaic[qt]
+    vals = {"binary": ops.w_bin_values, "int4": ops.w4_values, "int8": ops.w8_values}[qt]
+    return mm.mosaic_matmul_reference(ops.x, vals, qt, w_scale=w.w_scale)
+  if kernel == "int4 W4A16":
+    return nbm.nbit_matmul_reference(ops.x, ops.w4_values, w_scale=ops.w4_scale)
   if kernel[:4] in ("int2", "int4"):
     q, s, _ = ops.packed[kernel[:4]]
     return nbm.nbit_matmul_reference(ops.x, q, group_size=GROUP, g_scale=s)
@@ -253,6 +283,8 @@ def main():
         continue
       ops = Operands(m, k, n)
       for kernel in ["xla int8"] + kernels:
+        if kernel in _MOSAIC_QTYPE and m > mm.MAX_M:
+          continue
         if time.time() - t_start > args.budget_s:
           print("budget exhausted; stopping", flush=True)
           break
@@ -291,6 +323,9 @@ def main():
           note += f" err={err:.1e}"
         if cfg is not None:
           best_cfgs[(kernel, k, n, m)] = cfg
+        elif kernel in _MOSAIC_QTYPE:
+          c = mm.default_config(ops.mosaic[_MOSAIC_QTYPE[kernel]], m)
+          note = f"default config tk{c.tile_k} s{c.steps} sk{c.split_k} " + note
         elif kernel != "xla int8":
           note = "default config " + note
         rows.append((m, k, n, kernel, t, note))

@@ -88,7 +88,7 @@ class LayerQuant:
       ``bias_a`` (zeros at init), added before the input is quantized.
     dlhs_grad, drhs_grad: gradient quantization of the two backward products.
     implementation: where quantized products run (``"auto"``, ``"xla"``,
-      ``"triton"``, ``"interpret"``).
+      ``"triton"``, ``"mosaic"``, ``"interpret"``).
     name: a label (for summaries).
   """
 

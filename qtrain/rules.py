@@ -102,7 +102,8 @@ class QtRule:
       ``"quant"`` (see :data:`qtrain.RNG_STREAM`).
 
   Where it runs:
-    implementation: ``"auto"``, ``"xla"``, ``"triton"`` or ``"interpret"``.
+    implementation: ``"auto"``, ``"xla"``, ``"triton"``, ``"mosaic"`` or ``"interpret"``
+      (:mod:`qtrain.pallas.dispatch`).
   """
 
   module_path: str = ".*"

@@ -8,7 +8,7 @@ A QT op (:func:`~qtrain.core.dot_general_qt.dot_general_qt`,
 * the backward: how the incoming gradient is quantized for each of the two
   backward products (:class:`GradQuant`, or ``None`` for float);
 * where it runs (``implementation``: ``"auto"``, ``"xla"``, ``"triton"``,
-  ``"interpret"``).
+  ``"mosaic"``, ``"interpret"``; see :mod:`qtrain.pallas.dispatch`).
 
 Example:
   >>> from qtrain.core import config
@@ -30,7 +30,7 @@ from qtrain.core import qarray
 from qtrain.core import qtypes
 from qtrain.core import rounding
 
-IMPLEMENTATIONS: tuple[str, ...] = ("auto", "xla", "triton", "interpret")
+IMPLEMENTATIONS: tuple[str, ...] = ("auto", "xla", "triton", "mosaic", "interpret")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

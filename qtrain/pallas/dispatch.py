@@ -27,7 +27,12 @@ vary along K and per-element contracting scales are not handled by a kernel.
     Pallas copy XLA cannot turn into a slow layout, see that module).
   "xla": always the XLA reference, layouts left to XLA.
   "triton": the Pallas Triton kernel (GPU only); ValueError where unsupported.
-  "interpret": the same kernel in the Pallas interpreter (CPU tests).
+  "mosaic": the Pallas Mosaic GPU kernel (:mod:`qtrain.pallas.mosaic_matmul`;
+    Hopper, jax >= 0.11): bf16/f16 activations (M <= 128) x binary/int4/int8
+    weights with per-channel scales, as a QArray or a
+    :class:`~qtrain.pallas.mosaic_matmul.MosaicWeight`; ValueError elsewhere.
+    Not chosen by "auto": measured against Triton in benchmarks/RESULTS.md.
+  "interpret": the Triton kernel in the Pallas interpreter (CPU tests).
 Forcing a kernel on an unsupported config raises ValueError (never a silent
 fallback, never silently wrong numbers).
 """
@@ -45,11 +50,12 @@ from qtrain.pallas import _common
 from qtrain.pallas import _qmatmul
 from qtrain.pallas import binary_matmul as _binary
 from qtrain.pallas import int8_matmul as _int8
+from qtrain.pallas import mosaic_matmul as _mosaic
 from qtrain.pallas import nbit_matmul as _nbit
 from qtrain.pallas import transpose as _transpose
 from qtrain.pallas.prepared import PreparedWeight, prepare_binary_activations, prepare_weight
 
-IMPLEMENTATIONS = ("auto", "xla", "triton", "interpret")
+IMPLEMENTATIONS = ("auto", "xla", "triton", "mosaic", "interpret")
 
 _KERNEL_QTYPES = ("binary", "ternary", "int2", "int4", "int8")
 
@@ -212,6 +218,60 @@ def _finish_plan(lhs, lq, x, x_scale, w, out_shape, form):
   return _Plan("nbit", x, x_scale, w, out_shape, "qarray" if form == "qarray-nk" else form)
 
 
+def _plan_mosaic(lhs, rhs, dimension_numbers):
+  """(x, MosaicWeight, out_shape) for the Mosaic kernel, or _Unsupported(reason)."""
+  from qtrain.core import qdot
+
+  if _is_qarray(lhs):
+    raise _Unsupported(f"quantized ({lhs.qtype.name}) activations (the Mosaic kernel takes "
+                       f"bf16/f16 activations)")
+  if lhs.dtype not in _mosaic.ACT_DTYPES:
+    raise _Unsupported(f"activations of dtype {lhs.dtype} (the Mosaic kernel takes bf16/f16)")
+  if isinstance(rhs, _mosaic.MosaicWeight):
+    (lc, rc), (lb, rb) = dimension_numbers
+    if (tuple(lb) or tuple(rb) or tuple(rc) != (1,)
+        or tuple(a % lhs.ndim for a in lc) != (lhs.ndim - 1,)):
+      raise ValueError(f"with a MosaicWeight rhs, dimension_numbers must contract lhs's last axis "
+                       f"with rhs axis 1 and have no batch axes; got {dimension_numbers}")
+    return lhs.reshape(-1, lhs.shape[-1]), rhs, tuple(lhs.shape[:-1]) + (rhs.n,)
+  if not _is_qarray(rhs):
+    raise _Unsupported("the rhs is not quantized (kernels take quantized weights as rhs)")
+  if rhs.qtype.name not in _mosaic.QTYPES:
+    raise _Unsupported(f"rhs qtype {rhs.qtype.name} (the Mosaic kernel takes {_mosaic.QTYPES})")
+  if rhs.zero_point is not None:
+    raise _Unsupported("weight zero points")
+  dn = qdot.normalize_dimension_numbers(dimension_numbers, lhs.ndim, rhs.ndim)
+  (lc, rc), (lb, rb) = dn
+  if lb or rb:
+    raise _Unsupported("batch dimensions")
+  if not lc:
+    raise _Unsupported("no contracting dimensions")
+  lfree = qdot.free_axes(lhs.ndim, lc, lb)
+  rfree = qdot.free_axes(rhs.ndim, rc, rb)
+  kind, s, _ = _weight_scale(rhs.scale.astype(jnp.float32), rc, rfree, rhs.shape)
+  if kind != "channel":
+    raise _Unsupported("group-wise weight scales (the Mosaic kernel takes per-channel scales)")
+  x = _canonical_operand(lhs, lc, lfree)
+  if not 1 <= x.shape[0] <= _mosaic.MAX_M or x.shape[1] == 0:
+    raise _Unsupported(f"M={x.shape[0]} (the Mosaic kernel serves M in 1..{_mosaic.MAX_M})")
+  w = _mosaic.prepare_mosaic_weight(_canonical_operand(rhs.qvalue, rc, rfree), rhs.qtype.name,
+                                    scale=s)
+  out_shape = tuple(lhs.shape[a] for a in lfree) + tuple(rhs.shape[a] for a in rfree)
+  return x, w, out_shape
+
+
+def _run_mosaic(lhs, rhs, dimension_numbers, out_dtype) -> jax.Array:
+  if not _common.on_gpu():
+    raise ValueError(f"implementation='mosaic' needs a GPU backend; this one is "
+                     f"{jax.default_backend()!r}")
+  try:
+    x, w, out_shape = _plan_mosaic(lhs, rhs, dimension_numbers)
+  except _Unsupported as e:
+    raise ValueError(f"implementation='mosaic': the Mosaic kernel does not handle this dot ({e}); "
+                     f"use implementation='triton', 'xla' or 'auto'") from None
+  return _mosaic.mosaic_matmul(x, w, out_dtype=out_dtype).reshape(out_shape)
+
+
 def _run(plan: _Plan, out_dtype, interpret: bool) -> jax.Array:
   kw = dict(x_scale=plan.lhs_scale, out_dtype=out_dtype, interpret=interpret)
   if plan.kernel == "binary":
@@ -243,8 +303,9 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, *, preferred_element_type
 
   Args:
     lhs: a ``QArray`` or a float array (activations).
-    rhs: a ``QArray`` or a float array (weights), or a
-      :class:`~qtrain.pallas.prepared.PreparedWeight`.
+    rhs: a ``QArray`` or a float array (weights), a
+      :class:`~qtrain.pallas.prepared.PreparedWeight`, or (with "mosaic") a
+      :class:`~qtrain.pallas.mosaic_matmul.MosaicWeight`.
     dimension_numbers: as for :func:`jax.lax.dot_general`.
     preferred_element_type: the float output dtype (None: float32).
     implementation: one of :data:`IMPLEMENTATIONS`.
@@ -254,12 +315,17 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, *, preferred_element_type
 
   Raises:
     ValueError: for an unknown ``implementation``, or a forced kernel
-      ("triton"/"interpret") on a config no kernel handles (the message says
-      why), or "triton" off a GPU.
+      ("triton"/"mosaic"/"interpret") on a config no kernel handles (the
+      message says why), or "triton"/"mosaic" off a GPU.
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"{implementation=} is not valid; valid implementations are {IMPLEMENTATIONS}")
   out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None else jnp.float32)
+  if implementation == "mosaic":
+    return _run_mosaic(lhs, rhs, dimension_numbers, out_dtype)
+  if isinstance(rhs, _mosaic.MosaicWeight):
+    raise ValueError(f"a MosaicWeight rhs runs only with implementation='mosaic'; got "
+                     f"{implementation=}")
   prepared_rhs = isinstance(rhs, PreparedWeight)
 
   def xla():

@@ -1,4 +1,4 @@
-"""Every qtrain kernel compiled for real (Triton) against its reference; GPU only.
+"""Every qtrain kernel compiled for real (Triton, Mosaic GPU) against its reference; GPU only.
 
 Run on the GPU machine: ``PYTHONPATH=. python -m pytest -m gpu tests/pallas``.
 """
@@ -152,3 +152,57 @@ def test_asm_decoders_same_bits_as_jnp_gpu(qtype, group, act, kn):
     np.testing.assert_array_equal(out_asm, ref)
   else:
     assert _rel(out_asm, ref) < FLOAT_BUDGET
+
+
+# ---- Mosaic GPU kernel (Hopper, jax >= 0.11).
+from qtrain.pallas import mosaic_matmul as mm  # noqa: E402
+
+_needs_mosaic = pytest.mark.skipif(jax.__version_info__ < (0, 11),
+                                   reason="Pallas Mosaic GPU kernels need jax >= 0.11")
+_MOSAIC_SHAPES = [
+    (1, 300, 1000, None),  # ragged N and K, default config (split-K)
+    (16, 4096, 4096, None),
+    (37, 640, 2048, mm.MosaicConfig(tile_k=256, steps=3, split_k=2)),  # ragged M
+    (64, 1024, 1536, mm.MosaicConfig(tile_k=256, steps=2, split_k=2)),
+    (128, 256, 512, None),
+]
+
+
+@_needs_mosaic
+@pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
+@pytest.mark.parametrize("act", ["bfloat16", "float16"])
+@pytest.mark.parametrize("m,n,k,cfg", _MOSAIC_SHAPES)
+def test_mosaic_gpu(qtype, lo, hi, act, m, n, k, cfg):
+  rng = np.random.default_rng(m + n + k)
+  v = jnp.asarray(rng.integers(lo, hi, (n, k)), jnp.int8)
+  ws = jnp.asarray(rng.random(n) + 0.5, jnp.float32)
+  xs = jnp.asarray(rng.random(m) + 0.5, jnp.float32)
+  x = _acts(rng, m, k, act)
+  w = mm.prepare_mosaic_weight(v, qtype, scale=ws)
+  out = jax.jit(lambda x, w: mm.mosaic_matmul(x, w, x_scale=xs, config=cfg))(x, w)
+  ref = mm.mosaic_matmul_reference(x, v, qtype, w_scale=ws, x_scale=xs)
+  assert out.shape == (m, n)
+  assert _rel(out, ref) < FLOAT_BUDGET
+
+
+@_needs_mosaic
+@pytest.mark.parametrize("qtype", mm.QTYPES)
+def test_dispatch_mosaic_matches_xla(qtype):
+  from qtrain.core import qarray as qa
+  from qtrain.pallas import dispatch
+  x = jax.random.normal(jax.random.key(0), (2, 8, 512), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (512, 384), jnp.float32)
+  wq = qa.quantize(w, qa.QuantizeSpec(qtype=qtype, channelwise_axes=(1,)))
+  dn = (((2,), (0,)), ((), ()))
+  a = dispatch.quantized_dot_general(x, wq, dn, preferred_element_type=jnp.float32,
+                                     implementation="mosaic")
+  b = dispatch.quantized_dot_general(x, wq, dn, preferred_element_type=jnp.float32,
+                                     implementation="xla")
+  exact = np.einsum("abk,kn->abn", np.asarray(x, np.float64),
+                    np.asarray(wq.qvalue, np.float64) * np.asarray(wq.scale, np.float64))
+  assert a.shape == b.shape == (2, 8, 384)
+  assert _rel(a, exact) < FLOAT_BUDGET  # scales applied in f32 after the f32 accumulation
+  # The XLA path dequantizes the weights to the activations' bf16 (each weight
+  # rounded by at most 2**-9 relative), so the two agree to that rounding.
+  assert _rel(b, exact) < 2**-8
+  assert _rel(a, b) < 2**-8

@@ -1,0 +1,94 @@
+"""Weight storage orders that load straight into Hopper's wgmma A-operand registers.
+
+The Mosaic GPU kernels (:mod:`qtrain.pallas.mosaic_matmul`) feed decoded weights
+to ``wgmma`` as its register A operand, whose 16-bit layout gives the thread at
+lane ``l`` of a warp (``q = l % 4``) the columns ``8j + 2q + {0, 1}`` of every
+8-column chunk ``j``. A quantized tile loaded from shared memory with 32-bit
+loads lands in a different layout (Mosaic's "upcast" layouts: each thread holds
+4 consecutive bytes). Instead of shuffling registers between threads after the
+load (what a generic relayout does), the weights are stored with their K
+columns permuted so that the bytes a thread loads already hold exactly the
+columns its wgmma fragment needs; decoding is then thread-local.
+
+Per chunk of K columns, stored column ``s`` holds logical column
+``perm[s]`` (rows keep their order):
+
+* int8 (chunks of 16; Mosaic's ``WGMMA_LAYOUT_UPCAST_2X``): thread quad
+  ``q`` loads stored bytes ``(q % 2) * 8 + (q // 2) * 4 + v`` (v = 0..3); byte
+  ``v`` is logical column ``8 (v // 2) + 2q + v % 2``.
+* int4 (chunks of 32; ``WGMMA_LAYOUT_UPCAST_4X``): thread quad ``q`` loads
+  nibbles ``8q + i`` (i = 0..7); nibble ``i`` is column ``8 (i // 2) + 2q + i % 2``.
+* binary (chunks of 128 columns = 16 bytes, loaded like int8): the 32-bit word
+  of thread quad ``q`` holds column ``8j + 2q`` at bit ``j`` and column
+  ``8j + 2q + 1`` at bit ``16 + j`` (j = 0..15), so one shift moves a pair of
+  bits to the sign positions (15 and 31) of a packed pair of 16-bit floats.
+
+Example:
+  >>> import numpy as np
+  >>> from qtrain.pallas import mosaic_layout
+  >>> w = np.arange(32, dtype=np.int8)[None, :]
+  >>> stored = np.asarray(mosaic_layout.permute_columns(w, "int4"))
+  >>> [int(v) for v in stored[0, :8]]  # thread quad 0's nibbles
+  [0, 1, 8, 9, 16, 17, 24, 25]
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+CHUNK = {"int8": 16, "int4": 32, "binary": 128}  # K columns per permutation chunk
+
+# Byte order of the four thread quads inside a 16-byte chunk (UPCAST_2X).
+_QUAD_ORDER = (0, 2, 1, 3)
+
+
+def column_permutation(qtype: str) -> np.ndarray:
+  """``perm[s]``: the logical column stored at position ``s`` of a chunk (int8 / int4)."""
+  if qtype == "int4":
+    return np.array([8 * (i // 2) + 2 * q + i % 2 for q in range(4) for i in range(8)])
+  if qtype == "int8":
+    return np.array([8 * (v // 2) + 2 * q + v % 2 for q in _QUAD_ORDER for v in range(4)])
+  raise ValueError(f"column_permutation takes qtype 'int8' or 'int4', got {qtype!r}")
+
+
+def permute_columns(values, qtype: str):
+  """(N, K) values -> the same values with K in storage order (K a multiple of CHUNK)."""
+  perm = column_permutation(qtype)
+  c = len(perm)
+  k = values.shape[-1]
+  if k % c:
+    raise ValueError(f"K={k} must be a multiple of {c} for {qtype} storage")
+  idx = (np.arange(k // c)[:, None] * c + perm[None, :]).reshape(-1)
+  return jnp.take(jnp.asarray(values), jnp.asarray(idx), axis=-1)
+
+
+def pack_binary(values) -> jnp.ndarray:
+  """(N, K) binary values (> 0 means +1) -> (N, K // 8) int8 bytes in storage order.
+
+  K must be a multiple of 128.
+  """
+  values = jnp.asarray(values)
+  n, k = values.shape
+  if k % 128:
+    raise ValueError(f"K={k} must be a multiple of 128 for binary storage")
+  bits = (values > 0).astype(jnp.uint32).reshape(n, k // 128, 16, 4, 2)  # [.., j, q, e]
+  shift = (jnp.arange(16, dtype=jnp.uint32)[:, None]
+           + 16 * jnp.arange(2, dtype=jnp.uint32)[None, :])              # [j, e]
+  words = jnp.sum(bits << shift[:, None, :], axis=(2, 4), dtype=jnp.uint32)  # [.., q]
+  words = words[..., jnp.asarray(_QUAD_ORDER)]
+  byte = (words[..., None] >> (8 * jnp.arange(4, dtype=jnp.uint32))) & 0xFF  # [.., q', v]
+  return byte.astype(jnp.uint8).reshape(n, k // 8).view(jnp.int8)
+
+
+def unpack_binary(stored, k: int) -> jnp.ndarray:
+  """Inverse of :func:`pack_binary`: (N, K // 8) int8 -> (N, K) int8 +-1."""
+  stored = jnp.asarray(stored).view(jnp.uint8).astype(jnp.uint32)
+  n = stored.shape[0]
+  byte = stored.reshape(n, k // 128, 4, 4)                                 # [.., q', v]
+  words = jnp.sum(byte << (8 * jnp.arange(4, dtype=jnp.uint32)), axis=-1, dtype=jnp.uint32)
+  words = words[..., jnp.argsort(jnp.asarray(_QUAD_ORDER))]               # [.., q]
+  shift = (jnp.arange(16, dtype=jnp.uint32)[:, None]
+           + 16 * jnp.arange(2, dtype=jnp.uint32)[None, :])              # [j, e]
+  bits = (words[:, :, None, :, None] >> shift[None, None, :, None, :]) & 1  # [.., j, q, e]
+  return jnp.where(bits.reshape(n, k) > 0, 1, -1).astype(jnp.int8)

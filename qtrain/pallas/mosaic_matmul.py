@@ -1,0 +1,421 @@
+"""Mosaic GPU (Hopper wgmma + TMA) small-M weight-only matmul: binary / int4 / int8 x bf16/f16.
+
+``out = (x @ w.T) * w_scale * x_scale`` for decode-sized M (<= :data:`MAX_M`),
+with weights from :func:`prepare_mosaic_weight`. The kernel swaps the operands
+so that the weights fill wgmma's 64-row M side and the few activation rows its
+N side (``out.T = w @ x.T``):
+
+* a warp-specialized pipeline (one producer warpgroup issuing TMA copies, two
+  consumer warpgroups, ``config.steps`` stages in flight) streams a 128-row
+  weight tile and the matching activation tile per K step;
+* each consumer warpgroup loads its 64 weight rows from shared memory with
+  32-bit loads, decodes them in registers straight into wgmma's A-operand
+  layout (the weights are stored pre-permuted, :mod:`qtrain.pallas.mosaic_layout`:
+  no warp shuffles), and issues ``wgmma`` with the activations as the B
+  operand from shared memory;
+* binary decode: one shift and one ``(w & 0x80008000) ^ ±1`` per pair of
+  weights; int4/int8: Mosaic's vectorized integer-to-float conversion;
+* ``config.split_k`` > 1 splits K across CTAs (for small N); partial sums are
+  added, and the scales applied, by XLA on the small (N, M) result.
+
+Needs a Hopper GPU and jax >= 0.11 (Pallas Mosaic GPU); tests run it on the
+GPU only (Mosaic GPU kernels have no CPU interpreter here). The
+``implementation="mosaic"`` switch of :mod:`qtrain.pallas.dispatch` routes
+float-activation dots with binary/int4/int8 per-channel weights here.
+
+Example (GPU)::
+
+  w = prepare_mosaic_weight(codes, "int4", scale=s)     # codes: (N, K) int8 in [-8, 7]
+  y = mosaic_matmul(x.astype(jnp.bfloat16), w, out_dtype=jnp.bfloat16)   # x: (M, K)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from qtrain.pallas import _common
+from qtrain.pallas import mosaic_layout
+
+QTYPES = ("binary", "int4", "int8")
+ACT_DTYPES = (jnp.bfloat16, jnp.float16)
+MAX_M = 128  # the activation rows are wgmma's N side (<= 256); decode sizes only
+K_ALIGN = 512  # K is padded to this at preparation (a multiple of every tile_k / chunk)
+WG_ROWS = (64, 128)  # weight rows per consumer warpgroup (wgmma M: 1 or 2 instructions)
+_WGS = 2  # consumer warpgroups per CTA
+N_ALIGN = _WGS * max(WG_ROWS)  # N is padded to this
+TILE_KS = (128, 256, 512)
+_MAX_A_ELEMS = 64 * 512  # decoded A fragment per warpgroup: 128 registers per thread
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MosaicConfig:
+  """Tiling of the Mosaic kernel.
+
+  Attributes:
+    tile_k: K values per pipeline step (128, 256 or 512; binary weights >= 256).
+    steps: pipeline stages in flight (2-8; shared memory bounds it: the
+      kernel reports a shape that does not fit).
+    split_k: CTAs sharing one weight tile's K range (a power of two).
+    wg_rows: weight rows per consumer warpgroup (64 or 128; a CTA takes
+      twice that). More rows share each activation tile (less activation
+      traffic per weight byte); ``wg_rows * tile_k`` <= 32768 bounds the
+      decoded registers.
+  """
+
+  tile_k: int = 512
+  steps: int = 3
+  split_k: int = 1
+  wg_rows: int = 64
+
+  def __post_init__(self):
+    if self.tile_k not in TILE_KS:
+      raise ValueError(f"tile_k={self.tile_k}; valid: {TILE_KS}")
+    if not 2 <= self.steps <= 8:
+      raise ValueError(f"steps={self.steps}; valid: 2..8")
+    if self.split_k < 1 or not _common.is_pow2(self.split_k):
+      raise ValueError(f"split_k={self.split_k} must be a power of two >= 1")
+    if self.wg_rows not in WG_ROWS:
+      raise ValueError(f"wg_rows={self.wg_rows}; valid: {WG_ROWS}")
+    if self.wg_rows * self.tile_k > _MAX_A_ELEMS:
+      raise ValueError(f"wg_rows={self.wg_rows} x tile_k={self.tile_k} decodes more than "
+                       f"{_MAX_A_ELEMS} weights per warpgroup step (register file); lower one")
+
+  @property
+  def cta_rows(self) -> int:
+    return _WGS * self.wg_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicWeight:
+  """A quantized (N, K) weight in the Mosaic kernel's storage order.
+
+  Attributes:
+    data: binary (Np, Kp // 8) int8 packed bits; int4 (Np, Kp) ``jnp.int4``;
+      int8 (Np, Kp) int8 (columns permuted, :mod:`qtrain.pallas.mosaic_layout`).
+    w_scale: (N,) float32 per-channel scale, or None.
+    qtype: "binary", "int4" or "int8" (static).
+    n: true output channels (static).
+    k: true contracting size (static).
+  """
+
+  data: jax.Array
+  w_scale: jax.Array | None
+  qtype: str
+  n: int
+  k: int
+
+  @property
+  def n_pad(self) -> int:
+    return self.data.shape[0]
+
+  @property
+  def k_pad(self) -> int:
+    return self.data.shape[1] * (8 if self.qtype == "binary" else 1)
+
+
+jax.tree_util.register_dataclass(MosaicWeight, data_fields=["data", "w_scale"],
+                                 meta_fields=["qtype", "n", "k"])
+
+
+def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None) -> MosaicWeight:
+  """Lays out quantized weights (N, K) for :func:`mosaic_matmul` (jit-friendly).
+
+  Args:
+    values: (N, K) integer codes: binary (> 0 means +1, else -1), int4 in
+      [-8, 7], int8 in [-128, 127].
+    qtype: "binary", "int4" or "int8".
+    scale: None, a scalar, or (N,) / (N, 1) per-channel scales.
+
+  Returns:
+    A :class:`MosaicWeight` (N padded to a multiple of 256, K to 512; padded
+    columns meet zero activations, padded rows are sliced off).
+  """
+  if qtype not in QTYPES:
+    raise ValueError(f"qtype={qtype!r}; the Mosaic kernel takes {QTYPES}")
+  values = jnp.asarray(values)
+  if values.ndim != 2:
+    raise ValueError(f"weights must be 2-D (N, K); got shape {values.shape}")
+  n, k = values.shape
+  n_pad, k_pad = _common.round_up(n, N_ALIGN), _common.round_up(k, K_ALIGN)
+  values = jnp.pad(values.astype(jnp.int8), ((0, n_pad - n), (0, k_pad - k)))
+  if qtype == "binary":
+    data = mosaic_layout.pack_binary(values)
+  else:
+    data = mosaic_layout.permute_columns(values, qtype)
+    if qtype == "int4":
+      data = data.astype(jnp.int4)
+  w_scale = None
+  if scale is not None:
+    s = jnp.asarray(scale, jnp.float32).reshape(-1)
+    if s.shape[0] not in (1, n):
+      raise ValueError(f"per-channel scale has {s.shape[0]} entries; expected 1 or {n=}")
+    w_scale = jnp.broadcast_to(s, (n,))
+  return MosaicWeight(data=data, w_scale=w_scale, qtype=qtype, n=n, k=k)
+
+
+SMEM_BYTES = 232448 - 1024  # Hopper's per-block shared memory, less barriers
+
+
+def smem_bytes(qtype: str, m: int, cfg: MosaicConfig) -> int:
+  """Shared memory the kernel allocates: ``steps`` weight + activation tiles and the output tiles."""
+  mp = _common.round_up(m, 16)
+  w_tile = cfg.cta_rows * cfg.tile_k * {"binary": 1, "int4": 4, "int8": 8}[qtype] // 8
+  return cfg.steps * (w_tile + mp * cfg.tile_k * 2) + cfg.cta_rows * mp * 4
+
+
+def default_config(w: MosaicWeight, m: int, num_sms: int | None = None) -> MosaicConfig:
+  """Measured defaults (benchmarks/RESULTS.md, H200, M=16): binary/int4 tile_k 512,
+  int8 256; fewer stages, then smaller tiles, where larger M would overflow
+  shared memory; split K while the CTAs fill at most one wave of SMs."""
+  tile_k = 256 if w.qtype == "int8" else 512
+  steps = 4 if w.qtype == "binary" else 3
+  while smem_bytes(w.qtype, m, MosaicConfig(tile_k=tile_k, steps=steps)) > SMEM_BYTES:
+    if steps > 2:
+      steps -= 1
+    elif tile_k > (256 if w.qtype == "binary" else min(TILE_KS)):
+      tile_k, steps = tile_k // 2, 3
+    else:
+      raise ValueError(f"M={m}: no {w.qtype} config fits in shared memory")
+  return with_split(w, MosaicConfig(tile_k=tile_k, steps=steps), num_sms)
+
+
+def with_split(w: MosaicWeight, cfg: MosaicConfig, num_sms: int | None = None) -> MosaicConfig:
+  """``cfg`` with ``split_k`` doubled while the CTAs still fit in one wave of SMs."""
+  sms = num_sms or _num_sms()
+  tiles = w.n_pad // cfg.cta_rows
+  split = 1
+  while tiles * split * 2 <= sms and w.k_pad % (cfg.tile_k * split * 2) == 0:
+    split *= 2
+  return dataclasses.replace(cfg, split_k=split)
+
+
+def _num_sms() -> int:
+  try:
+    return int(jax.local_devices(backend="gpu")[0].core_count)
+  except (RuntimeError, AttributeError, IndexError):
+    return 132  # H100/H200 SXM
+
+
+def mosaic_matmul(x: jax.Array, w: MosaicWeight, *, x_scale=None, out_dtype=jnp.float32,
+                  config: MosaicConfig | None = None) -> jax.Array:
+  """``(x @ w.T) * w_scale * x_scale`` on the GPU by the Mosaic kernel.
+
+  Args:
+    x: (M, K) bf16 or f16 activations, M <= :data:`MAX_M`.
+    w: a :class:`MosaicWeight` with ``w.k == K``.
+    x_scale: None, a scalar, or (M,) per-row scale.
+    out_dtype: output dtype.
+    config: a :class:`MosaicConfig`; default :func:`default_config`.
+
+  Returns:
+    (M, N) ``out_dtype`` (f32 accumulation).
+  """
+  if x.ndim != 2 or x.shape[1] != w.k:
+    raise ValueError(f"x has shape {x.shape}; expected (M, {w.k})")
+  if x.dtype not in ACT_DTYPES:
+    raise ValueError(f"activations of dtype {x.dtype}: the Mosaic kernel takes bfloat16 or "
+                     f"float16 (cast them, or use implementation='triton' for float32)")
+  m = x.shape[0]
+  if not 1 <= m <= MAX_M:
+    raise ValueError(f"M={m}: the Mosaic kernel serves decode sizes 1..{MAX_M}; use "
+                     f"implementation='triton' or 'xla' for larger M")
+  cfg = config or default_config(w, m)
+  if w.qtype == "binary" and cfg.tile_k < 256:
+    raise ValueError(f"tile_k={cfg.tile_k}: binary weights need tile_k >= 256 (rows of at least "
+                     f"32 bytes of packed bits per step)")
+  if smem_bytes(w.qtype, m, cfg) > SMEM_BYTES:
+    raise ValueError(f"{cfg} at M={m} needs {smem_bytes(w.qtype, m, cfg)} bytes of shared memory "
+                     f"(limit {SMEM_BYTES}); use fewer steps or a smaller tile_k")
+  if w.k_pad % (cfg.tile_k * cfg.split_k):
+    raise ValueError(f"{cfg} does not tile K={w.k_pad} (padded): tile_k * split_k must divide it")
+  if jax.__version_info__ < (0, 11):
+    raise ValueError(f"the Mosaic kernel needs jax >= 0.11 (Pallas Mosaic GPU); this is "
+                     f"jax {jax.__version__}: use implementation='triton'")
+  mp = _common.round_up(m, 16)
+  xp = jnp.pad(x, ((0, mp - m), (0, w.k_pad - w.k)))
+  parts = _kernel(w.data, xp, qtype=w.qtype, k_pad=w.k_pad, cfg=cfg)
+  acc = (parts[0] if cfg.split_k == 1 else parts.sum(0))[:w.n, :m].T
+  if w.w_scale is not None:
+    acc = acc * w.w_scale[None, :]
+  if x_scale is not None:
+    s = jnp.asarray(x_scale, jnp.float32).reshape(-1)
+    acc = acc * jnp.broadcast_to(s, (m,))[:, None]
+  return acc.astype(out_dtype)
+
+
+def mosaic_matmul_reference(x: jax.Array, w_values: jax.Array, qtype: str, *, w_scale=None,
+                            x_scale=None, out_dtype=jnp.float32) -> jax.Array:
+  """Pure-jnp reference (f32, HIGHEST precision) of :func:`mosaic_matmul`."""
+  wv = jnp.where(w_values > 0, 1, -1) if qtype == "binary" else w_values
+  acc = lax.dot_general(x.astype(jnp.float32), wv.astype(jnp.float32), (((1,), (1,)), ((), ())),
+                        precision=lax.Precision.HIGHEST)
+  if w_scale is not None:
+    acc = acc * jnp.broadcast_to(jnp.asarray(w_scale, jnp.float32).reshape(-1), (wv.shape[0],))
+  if x_scale is not None:
+    acc = acc * jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32).reshape(-1), (x.shape[0],))[:, None]
+  return acc.astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------
+# The kernel (Pallas Mosaic GPU; imported lazily: jax 0.10 has an older API).
+
+
+def _i32(v: int) -> int:
+  return v - (1 << 32) if v >= (1 << 31) else v
+
+
+def wgmma_register(idx: tuple[int, ...], j: int, per: int, ndim: int) -> tuple[int, ...]:
+  """The wgmma-layout register that takes part ``j`` (of ``per``) of upcast register ``idx``.
+
+  Both layouts give a thread the same rows; column chunk ``c`` of the upcast
+  layout (32 int4 / 16 int8 columns / 128 binary columns) covers wgmma
+  8-column chunks ``c * per .. c * per + per - 1`` (the storage order of
+  :mod:`qtrain.pallas.mosaic_layout` makes the columns match). ``ndim``: rank
+  of the wgmma register array (the upcast one may have an extra unit dim).
+  """
+  return (idx[0], idx[1] * per + j, *idx[2:ndim])
+
+
+def binary_pair_bits(word: int, j: int, one_bits: int) -> int:
+  """The two 16-bit floats (as one 32-bit word) the kernel decodes for pair ``j``
+  of a packed word: ``((word << (15 - j)) & 0x80008000) ^ minus_ones``. Python-int
+  model of the PTX the kernel emits (tests check the storage order with it)."""
+  minus = one_bits | 0x8000
+  return (((word << (15 - j)) & 0xFFFFFFFF) & 0x80008000) ^ (minus | minus << 16)
+
+
+def _decode_binary(q, rows: int, tile_k: int, float_type, one_bits: int):
+  """Packed-bit fragment (int8, upcast layout) -> +-1 fragment in the wgmma A layout."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+  i32 = ir.IntegerType.get_signless(32)
+  pair = ir.VectorType.get((2,), float_type)
+  sign = mgpu.utils.c(_i32(0x80008000), i32)
+  minus_ones = mgpu.utils.c(_i32(one_bits | 0x8000 | (one_bits | 0x8000) << 16), i32)
+  out = np.empty(fa.WGMMA_LAYOUT.registers_shape((rows, tile_k)), dtype=object)
+  for idx, reg in np.ndenumerate(q.registers):
+    word = mgpu.utils.bitcast(reg, i32)
+    for j in range(16):
+      s = word if j == 15 else arith.shli(word, mgpu.utils.c(15 - j, i32))
+      v = arith.xori(arith.andi(s, sign), minus_ones)  # bit set -> sign cleared -> +1
+      out[wgmma_register(idx, j, 16, out.ndim)] = mgpu.utils.bitcast(v, pair)
+  return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+
+def _relabel(y, rows: int, tile_k: int, per: int):
+  """Upcast-layout fragment of a permuted tile -> the same registers in wgmma A layout."""
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+  out = np.empty(fa.WGMMA_LAYOUT.registers_shape((rows, tile_k)), dtype=object)
+  for idx, reg in np.ndenumerate(y.registers):
+    for j in range(per):
+      out[wgmma_register(idx, j, per, out.ndim)] = mgpu.utils.vector_slice(
+          reg, slice(2 * j, 2 * j + 2))
+  return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+
+def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig) -> jax.Array:
+  """(Np, Kw) weights x (Mp, Kp) activations -> (split_k, Np, Mp) f32 partial sums."""
+  from jax._src.lib.mlir import ir
+  from jax.experimental import pallas as pl
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  n_pad = w.shape[0]
+  mp = x.shape[0]
+  tile_k, split = cfg.tile_k, cfg.split_k
+  act = x.dtype
+  float_type = ir.BF16Type.get if act == jnp.bfloat16 else ir.F16Type.get
+  one_bits = 0x3F80 if act == jnp.bfloat16 else 0x3C00
+  bits = {"binary": 8, "int4": 4, "int8": 8}[qtype]
+  w_cols = tile_k // 8 if qtype == "binary" else tile_k
+  kpart = k_pad // split
+  k_steps = kpart // tile_k
+  rows = cfg.wg_rows
+  cta_rows = cfg.cta_rows
+  n_tiles = n_pad // cta_rows
+
+  def tiled(elem_bits, minor, what):
+    sw = plgpu.find_swizzle(minor * elem_bits, what)
+    return plgpu.TilingTransform((8, sw * 8 // elem_bits)), plgpu.SwizzleTransform(sw)
+
+  w_tr = tiled(bits, w_cols, "lhs")
+  x_tr = tiled(16, tile_k, "rhs")
+  o_tr = tiled(32, mp, "out")
+  w_swizzle = w_tr[1].swizzle
+  load_layout = fa.WGMMA_LAYOUT_UPCAST_4X if qtype == "int4" else fa.WGMMA_LAYOUT_UPCAST_2X
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(w_tr),),
+                     return_type=plgpu.ShapeDtypeStruct((rows, tile_k), act,
+                                                        layout=plgpu.Layout.WGMMA))
+  def decode(ctx, ref):
+    del ctx
+    q = mgpu.FragmentedArray.load_tiled(ref, swizzle=w_swizzle, is_signed=True, layout=load_layout)
+    if qtype == "binary":
+      return _decode_binary(q, rows, tile_k, float_type(), one_bits)
+    return _relabel(q.astype(float_type()), rows, tile_k, per=4 if qtype == "int4" else 2)
+
+  def body(w_gmem, x_gmem, o_gmem, o_smem):
+    def pipeline(step, context):
+      return plgpu.emit_pipeline_warp_specialized(
+          step, grid=(k_steps,), memory_registers=40,
+          in_specs=[plgpu.BlockSpec((cta_rows, w_cols), lambda kk: (0, kk), transforms=w_tr,
+                                    memory_space=plgpu.SMEM),
+                    plgpu.BlockSpec((mp, tile_k), lambda kk: (0, kk), transforms=x_tr,
+                                    memory_space=plgpu.SMEM)],
+          wg_axis="wg", num_compute_wgs=_WGS, max_concurrent_steps=cfg.steps,
+          compute_context=context)
+
+    unused = lambda *_, **__: None
+
+    @functools.partial(pl.run_scoped,
+                       allocs=pipeline(unused, unused).get_allocations(w_gmem, x_gmem),
+                       collective_axes="wg")
+    def _scope(allocs):
+      wg = lax.axis_index("wg")
+
+      @plgpu.nd_loop((n_tiles * split,), collective_axes="sm")
+      def _tile(info):
+        (lin,) = info.index
+        n_idx, s_idx = lin // split, lin % split
+        ks = pl.ds(s_idx * kpart, kpart)
+        wks = pl.ds(s_idx * (kpart // 8), kpart // 8) if qtype == "binary" else ks
+        tile_rows = pl.ds(n_idx * cta_rows, cta_rows)
+        wg_rows = pl.ds(wg * rows, rows)
+
+        def context(run):
+          @functools.partial(pl.run_scoped, acc=plgpu.ACC((rows, mp), jnp.float32))
+          def _acc(acc):
+            run(acc)
+            res = acc[...]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_smem[wg] = res
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[s_idx].at[tile_rows].at[wg_rows])
+
+        def step(_, w_smem, x_smem, acc):
+          plgpu.wgmma(acc, decode(w_smem.at[wg_rows]), x_smem.transpose((1, 0)))
+          plgpu.wgmma_wait(0)  # the slot is released when the step returns
+          return acc
+
+        pipeline(step, context)(w_gmem.at[tile_rows, wks], x_gmem.at[:, ks], allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  call = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((split, n_pad, mp), jnp.float32),
+      grid=(min(_num_sms(), n_tiles * split),), grid_names=("sm",),
+      num_threads=_WGS + 1, thread_name="wg",
+      scratch_types=dict(o_smem=plgpu.SMEM((_WGS, rows, mp), jnp.float32, transforms=o_tr)))
+  return call(w, x)

@@ -1,0 +1,238 @@
+"""The Mosaic GPU kernel's CPU-checkable parts: weight storage order, configs, errors.
+
+The storage order (:mod:`qtrain.pallas.mosaic_layout`) is checked against
+Mosaic's own layout definitions: which thread / register / vector slot each
+element of a tile lands in for the upcast load layouts and for the wgmma
+A-operand layout (``TiledLayout.tiling.tile_indices``, pure Python). The
+kernel's register relabelling (``wgmma_register``) and binary decode
+(``binary_pair_bits``) are applied to the loaded slots and must reproduce the
+logical weight in every wgmma slot. The kernel's numbers are checked on the
+GPU (tests/pallas/test_pallas_gpu.py).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+from qtrain.core import qarray as qa
+from qtrain.pallas import dispatch
+from qtrain.pallas import mosaic_layout as ml
+from qtrain.pallas import mosaic_matmul as mm
+
+
+def _linear(idx, sizes):
+  out = 0
+  for i, s in zip(idx, sizes):
+    out = out * s + i
+  return out
+
+
+def fragment_map(layout, shape):
+  """{(thread, register index, vector slot): (row, col)} for a warpgroup-wide TiledLayout."""
+  tiled = layout.tiling.tile_shape(shape)
+  nd = len(tiled)
+  warp = [d % nd for d in layout.warp_dims]
+  lane = [d % nd for d in layout.lane_dims]
+  vec = layout.vector_dim % nd
+  out = {}
+  for r in range(shape[0]):
+    for c in range(shape[1]):
+      t = layout.tiling.tile_indices((r, c))
+      thread = (_linear([t[d] for d in warp], [tiled[d] for d in warp]) * 32
+                + _linear([t[d] for d in lane], [tiled[d] for d in lane]))
+      reg = tuple(0 if i in warp or i in lane or i == vec else t[i] for i in range(nd))
+      out[(thread, reg, t[vec])] = (r, c)
+  return out
+
+
+def _wgmma_slots(cols):
+  slots = fragment_map(fa.WGMMA_LAYOUT, (64, cols))
+  return slots, len(fa.WGMMA_LAYOUT.tiling.tile_shape((64, cols)))
+
+
+@pytest.mark.parametrize("qtype,lo,hi", [("int8", -128, 128), ("int4", -8, 8)])
+def test_int_storage_order_fills_wgmma_fragments(qtype, lo, hi):
+  cols = 128
+  w = np.random.default_rng(1).integers(lo, hi, (64, cols))
+  stored = np.asarray(ml.permute_columns(w, qtype))
+  upcast = fa.WGMMA_LAYOUT_UPCAST_4X if qtype == "int4" else fa.WGMMA_LAYOUT_UPCAST_2X
+  per = 4 if qtype == "int4" else 2
+  want, nd = _wgmma_slots(cols)
+  got = {}
+  for (thread, reg, slot), (r, c) in fragment_map(upcast, (64, cols)).items():
+    j, pos = divmod(slot, 2)
+    got[(thread, mm.wgmma_register(reg, j, per, nd), pos)] = stored[r, c]
+  assert got.keys() == want.keys()
+  mismatches = sum(got[key] != w[r, c] for key, (r, c) in want.items())
+  assert mismatches == 0
+
+
+def test_unpermuted_int4_would_not_fill_wgmma_fragments():
+  # The check above has teeth: without the storage permutation the relabelled
+  # registers hold the wrong columns.
+  cols = 64
+  w = np.random.default_rng(2).integers(-8, 8, (64, cols))
+  want, nd = _wgmma_slots(cols)
+  got = {}
+  for (thread, reg, slot), (r, c) in fragment_map(fa.WGMMA_LAYOUT_UPCAST_4X, (64, cols)).items():
+    j, pos = divmod(slot, 2)
+    got[(thread, mm.wgmma_register(reg, j, 4, nd), pos)] = w[r, c]
+  assert sum(got[key] != w[r, c] for key, (r, c) in want.items()) > len(want) // 2
+
+
+@pytest.mark.parametrize("act,one_bits", [(ml_dtypes.bfloat16, 0x3F80), (np.float16, 0x3C00)])
+def test_binary_storage_and_decode_fill_wgmma_fragments(act, one_bits):
+  cols = 256
+  w = np.where(np.random.default_rng(3).random((64, cols)) > 0.5, 1, -1)
+  stored = np.asarray(ml.pack_binary(w)).view(np.uint8)
+  assert stored.shape == (64, cols // 8)
+  words = {}
+  for (thread, reg, slot), (r, c) in fragment_map(fa.WGMMA_LAYOUT_UPCAST_2X, (64, cols // 8)).items():
+    words[(thread, reg)] = words.get((thread, reg), 0) | int(stored[r, c]) << (8 * slot)
+  want, nd = _wgmma_slots(cols)
+  got = {}
+  for (thread, reg), word in words.items():
+    for j in range(16):
+      pair = mm.binary_pair_bits(word, j, one_bits)
+      halves = np.array([pair & 0xFFFF, pair >> 16], np.uint16).view(act).astype(np.float32)
+      for pos in range(2):
+        got[(thread, mm.wgmma_register(reg, j, 16, nd), pos)] = halves[pos]
+  assert got.keys() == want.keys()
+  assert sum(got[key] != w[r, c] for key, (r, c) in want.items()) == 0
+
+
+def test_pack_binary_round_trip_and_permutations():
+  rng = np.random.default_rng(4)
+  w = np.where(rng.random((5, 384)) > 0.5, 1, -1).astype(np.int8)
+  np.testing.assert_array_equal(ml.unpack_binary(ml.pack_binary(w), 384), w)
+  for qtype in ("int8", "int4"):
+    perm = ml.column_permutation(qtype)
+    np.testing.assert_array_equal(np.sort(perm), np.arange(ml.CHUNK[qtype]))
+
+
+def test_layout_errors_name_the_bad_value():
+  with pytest.raises(ValueError, match="K=100 must be a multiple of 128"):
+    ml.pack_binary(jnp.ones((2, 100)))
+  with pytest.raises(ValueError, match="K=40 must be a multiple of 32 for int4"):
+    ml.permute_columns(jnp.ones((2, 40)), "int4")
+  with pytest.raises(ValueError, match="'int2'"):
+    ml.column_permutation("int2")
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(tile_k=64), "tile_k=64"),
+    (dict(steps=1), "steps=1"),
+    (dict(split_k=3), "split_k=3"),
+    (dict(wg_rows=96), "wg_rows=96"),
+    (dict(wg_rows=128, tile_k=512), "wg_rows=128 x tile_k=512"),
+])
+def test_config_validation(kw, match):
+  with pytest.raises(ValueError, match=match):
+    mm.MosaicConfig(**kw)
+
+
+@pytest.mark.parametrize("qtype", mm.QTYPES)
+@pytest.mark.parametrize("n,k", [(28672, 8192), (4096, 4096), (300, 1000)])
+@pytest.mark.parametrize("m", [1, 16, 64, 128])
+def test_default_config_fits_and_tiles(qtype, n, k, m):
+  w = jax.eval_shape(lambda v: mm.prepare_mosaic_weight(v, qtype), jax.ShapeDtypeStruct((n, k), jnp.int8))
+  cfg = mm.default_config(w, m, num_sms=132)
+  assert mm.smem_bytes(qtype, m, cfg) <= mm.SMEM_BYTES
+  assert qtype != "binary" or cfg.tile_k >= 256
+  assert w.k_pad % (cfg.tile_k * cfg.split_k) == 0
+  tiles = w.n_pad // cfg.cta_rows
+  assert tiles * cfg.split_k <= max(132, tiles)
+
+
+def test_prepare_pads_and_lays_out():
+  rng = np.random.default_rng(5)
+  v = jnp.asarray(rng.integers(-8, 8, (300, 1000)), jnp.int8)
+  w = mm.prepare_mosaic_weight(v, "int4", scale=jnp.full((300, 1), 0.5))
+  assert (w.n, w.k, w.n_pad, w.k_pad) == (300, 1000, 512, 1024)
+  assert w.data.dtype == jnp.int4 and w.w_scale.shape == (300,)
+  back = np.asarray(w.data.astype(jnp.int8))[:, np.argsort(np.tile(ml.column_permutation("int4"), 32)
+                                                           + np.repeat(np.arange(32) * 32, 32))]
+  np.testing.assert_array_equal(back[:300, :1000], v)
+  assert not back[300:].any() and not back[:, 1000:].any()
+  b = mm.prepare_mosaic_weight(jnp.where(v > 0, 1, -1), "binary")
+  assert b.data.shape == (512, 128) and b.k_pad == 1024 and b.w_scale is None
+  np.testing.assert_array_equal(ml.unpack_binary(b.data, 1024)[:300, :1000], np.where(v > 0, 1, -1))
+
+
+def test_prepare_and_matmul_errors():
+  v = jnp.ones((8, 512), jnp.int8)
+  with pytest.raises(ValueError, match="qtype='int2'"):
+    mm.prepare_mosaic_weight(v, "int2")
+  with pytest.raises(ValueError, match="3 entries"):
+    mm.prepare_mosaic_weight(v, "int8", scale=jnp.ones(3))
+  with pytest.raises(ValueError, match="2-D"):
+    mm.prepare_mosaic_weight(v[None], "int8")
+  w = mm.prepare_mosaic_weight(v, "int8")
+  with pytest.raises(ValueError, match="float32.*bfloat16 or float16"):
+    mm.mosaic_matmul(jnp.ones((4, 512), jnp.float32), w)
+  with pytest.raises(ValueError, match="M=129"):
+    mm.mosaic_matmul(jnp.ones((129, 512), jnp.bfloat16), w)
+  with pytest.raises(ValueError, match=r"expected \(M, 512\)"):
+    mm.mosaic_matmul(jnp.ones((4, 256), jnp.bfloat16), w)
+  big = mm.MosaicConfig(tile_k=256, steps=4)
+  assert mm.smem_bytes("int8", 37, big) > mm.SMEM_BYTES
+  with pytest.raises(ValueError, match="shared memory"):
+    mm.mosaic_matmul(jnp.ones((37, 512), jnp.bfloat16), w, config=big)
+  with pytest.raises(ValueError, match="does not tile K=512"):
+    mm.mosaic_matmul(jnp.ones((4, 512), jnp.bfloat16), w,
+                     config=mm.MosaicConfig(tile_k=256, split_k=4))
+  wb = mm.prepare_mosaic_weight(v, "binary")
+  with pytest.raises(ValueError, match="binary weights need tile_k >= 256"):
+    mm.mosaic_matmul(jnp.ones((4, 512), jnp.bfloat16), wb, config=mm.MosaicConfig(tile_k=128))
+
+
+def test_reference_matches_float64():
+  rng = np.random.default_rng(6)
+  x = rng.standard_normal((7, 300)).astype(np.float32)
+  v = rng.integers(-8, 8, (33, 300))
+  s, xs = rng.random(33) + 0.5, rng.random(7) + 0.5
+  ref = (x.astype(np.float64) @ v.T.astype(np.float64)) * s[None, :] * xs[:, None]
+  out = mm.mosaic_matmul_reference(jnp.asarray(x), jnp.asarray(v, jnp.int8), "int4", w_scale=s,
+                                   x_scale=xs)
+  assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 1e-5 * np.max(np.abs(ref))
+
+
+def test_dispatch_mosaic_off_gpu_and_unsupported():
+  x = jax.random.normal(jax.random.key(0), (4, 256), jnp.bfloat16)
+  wq = qa.quantize(jax.random.normal(jax.random.key(1), (256, 64)),
+                   qa.QuantizeSpec(qtype="int4", channelwise_axes=(1,)))
+  dn = (((1,), (0,)), ((), ()))
+  if jax.default_backend() != "gpu":
+    with pytest.raises(ValueError, match="'mosaic' needs a GPU backend"):
+      dispatch.quantized_dot_general(x, wq, dn, preferred_element_type=jnp.float32,
+                                     implementation="mosaic")
+  assert "mosaic" in dispatch.IMPLEMENTATIONS
+  with pytest.raises(dispatch._Unsupported, match="group-wise"):
+    dispatch._plan_mosaic(x, qa.quantize(jax.random.normal(jax.random.key(1), (256, 64)),
+                                         qa.QuantizeSpec(qtype="int4", channelwise_axes=(1,),
+                                                         tiled_axes={0: 128})), dn)
+  with pytest.raises(dispatch._Unsupported, match="float32"):
+    dispatch._plan_mosaic(x.astype(jnp.float32), wq, dn)
+  mw = mm.prepare_mosaic_weight(jnp.ones((64, 256), jnp.int8), "int8")
+  with pytest.raises(ValueError, match="MosaicWeight rhs runs only with implementation='mosaic'"):
+    dispatch.quantized_dot_general(x, mw, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32, implementation="triton")
+
+
+def test_plan_mosaic_canonicalises_a_qarray():
+  x = jax.random.normal(jax.random.key(0), (2, 3, 256), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (256, 40))
+  wq = qa.quantize(w, qa.QuantizeSpec(qtype="int8", channelwise_axes=(1,)))
+  xc, mw, out_shape = dispatch._plan_mosaic(x, wq, (((2,), (0,)), ((), ())))
+  assert xc.shape == (6, 256) and out_shape == (2, 3, 40)
+  assert (mw.n, mw.k, mw.qtype) == (40, 256, "int8")
+  ref = mm.mosaic_matmul_reference(xc, wq.qvalue.T, "int8", w_scale=wq.scale.reshape(-1))
+  want = jax.lax.dot_general(x.astype(jnp.float32), wq.qvalue.astype(jnp.float32) * wq.scale,
+                             (((2,), (0,)), ((), ())), precision="highest")
+  assert np.max(np.abs(np.asarray(ref).reshape(out_shape) - want)) <= 1e-5 * math.sqrt(256) * float(
+      np.max(np.abs(want)))
