@@ -170,11 +170,23 @@ def smem_bytes(qtype: str, m: int, cfg: MosaicConfig) -> int:
 
 
 def default_config(w: MosaicWeight, m: int, num_sms: int | None = None) -> MosaicConfig:
-  """Measured defaults (benchmarks/RESULTS.md, H200, M=16): binary/int4 tile_k 512,
-  int8 256; fewer stages, then smaller tiles, where larger M would overflow
-  shared memory; split K while the CTAs fill at most one wave of SMs."""
-  tile_k = 256 if w.qtype == "int8" else 512
+  """Measured defaults (benchmarks/RESULTS.md "Mosaic GPU kernels", H200).
+
+  Where 64-row warpgroup tiles would take more than one wave of SMs (large N),
+  128 rows per warpgroup with tile_k 256 (half the activation traffic per
+  weight byte); otherwise 64 rows with tile_k 512 (int8: 256) and split K
+  while the CTAs fit in one wave. Pipeline depth: binary 4, int4/int8 3,
+  fewer (then smaller tiles) where M's activation tiles would overflow shared
+  memory.
+  """
+  sms = num_sms or _num_sms()
   steps = 4 if w.qtype == "binary" else 3
+  if w.n_pad // (_WGS * 64) > sms:
+    for st in range(steps, 1, -1):
+      cfg = MosaicConfig(tile_k=256, steps=st, wg_rows=128)
+      if smem_bytes(w.qtype, m, cfg) <= SMEM_BYTES:
+        return with_split(w, cfg, sms)
+  tile_k = 256 if w.qtype == "int8" else 512
   while smem_bytes(w.qtype, m, MosaicConfig(tile_k=tile_k, steps=steps)) > SMEM_BYTES:
     if steps > 2:
       steps -= 1
@@ -182,7 +194,7 @@ def default_config(w: MosaicWeight, m: int, num_sms: int | None = None) -> Mosai
       tile_k, steps = tile_k // 2, 3
     else:
       raise ValueError(f"M={m}: no {w.qtype} config fits in shared memory")
-  return with_split(w, MosaicConfig(tile_k=tile_k, steps=steps), num_sms)
+  return with_split(w, MosaicConfig(tile_k=tile_k, steps=steps), sms)
 
 
 def with_split(w: MosaicWeight, cfg: MosaicConfig, num_sms: int | None = None) -> MosaicConfig:

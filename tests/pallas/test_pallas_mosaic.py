@@ -144,6 +144,9 @@ def test_default_config_fits_and_tiles(qtype, n, k, m):
   cfg = mm.default_config(w, m, num_sms=132)
   assert mm.smem_bytes(qtype, m, cfg) <= mm.SMEM_BYTES
   assert qtype != "binary" or cfg.tile_k >= 256
+  # Large N (more 64-row tiles than SMs) takes 128 rows per warpgroup where it fits.
+  assert cfg.wg_rows == 64 or n == 28672
+  assert cfg.wg_rows == 128 or not (n == 28672 and m <= 16)
   assert w.k_pad % (cfg.tile_k * cfg.split_k) == 0
   tiles = w.n_pad // cfg.cta_rows
   assert tiles * cfg.split_k <= max(132, tiles)
