@@ -27,6 +27,10 @@ layers replaced by their frozen versions (``nn.intercept_methods``), the rest
   :func:`qtrain.pallas.nbit_matmul.nbit_matmul`) on GPU / in the Pallas
   interpreter; convs as im2col (patches of the *quantized* input, so zero
   padding contributes 0 exactly as in training) + packed matmul;
+* ``"mosaic"``: the Mosaic GPU kernel
+  (:func:`qtrain.pallas.mosaic_matmul.mosaic_matmul`; Hopper, jax >= 0.11) for
+  layers with float (bf16/f16) inputs, binary/int4/int8 per-channel weights
+  and at most 128 rows; any other layer raises ValueError saying why;
 * ``"auto"``: ``"pallas"`` on GPU, ``"xla"`` elsewhere.
 
 :func:`layer_sizes` reports bytes per layer (binary layers ~25x smaller than
@@ -71,7 +75,7 @@ from qtrain.core.conv_general_qt import quantized_conv
 __all__ = ["FrozenLayer", "freeze", "apply_layer", "apply_frozen", "layer_sizes", "save_frozen",
            "load_frozen", "IMPLEMENTATIONS"]
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "mosaic", "interpret")
 _ARRAY_FIELDS = ("words", "w_scale", "w_zero", "scale_a", "bias_a", "bias")
 
 
@@ -363,9 +367,29 @@ def _matmul_pallas(xq, layer: FrozenLayer, out_dtype, interpret: bool):
   return out.astype(out_dtype)
 
 
+def _matmul_mosaic(xq, layer: FrozenLayer, out_dtype):
+  """(M, K) float input x frozen weight through the Mosaic GPU kernel."""
+  from qtrain.pallas import mosaic_matmul as mm
+
+  why = None
+  if qdot.is_quantized(xq):
+    why = f"its input is quantized ({xq.qtype.name}); the Mosaic kernel takes float inputs"
+  elif layer.w_qtype not in mm.QTYPES:
+    why = f"its weights are {layer.w_qtype}; the Mosaic kernel takes {mm.QTYPES}"
+  elif layer.w_scale.ndim != 1 or layer.w_zero is not None:
+    why = "its weight scales are group-wise or asymmetric; the Mosaic kernel takes per-channel"
+  if why:
+    raise ValueError(f"implementation='mosaic' cannot run this layer: {why} "
+                     f"(use 'pallas' or 'xla')")
+  w = mm.prepare_mosaic_weight(layer.weight_codes(), layer.w_qtype, scale=layer.w_scale)
+  return mm.mosaic_matmul(xq, w, out_dtype=out_dtype)
+
+
 def _matmul(xq, layer, out_dtype, impl):
   if impl == "xla":
     return _matmul_xla(xq, layer, out_dtype)
+  if impl == "mosaic":
+    return _matmul_mosaic(xq, layer, out_dtype)
   return _matmul_pallas(xq, layer, out_dtype, interpret=(impl == "interpret"))
 
 
@@ -388,7 +412,8 @@ def apply_layer(layer: FrozenLayer, x: jax.Array, *, strides=None, padding="SAME
     layer: a :class:`FrozenLayer`.
     x: the float input.
     strides, padding: conv window strides and padding (as the trained QConv).
-    implementation: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"interpret"``.
+    implementation: ``"auto"``, ``"xla"``, ``"pallas"``, ``"mosaic"`` or
+      ``"interpret"`` (see the module docstring).
   """
   impl = _resolve_impl(implementation)
   out_dtype = jnp.result_type(x) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else jnp.float32

@@ -123,3 +123,45 @@ def test_freeze_rules_and_errors():
   assert freeze.freeze(v, [("", None)])["layers"] == {}
   with pytest.raises(ValueError, match="implementation"):
     freeze.apply_frozen(layer, freeze.freeze(v, {"": binary.bitorch()}), x, implementation="cuda")
+
+
+def _frozen_dense(lq, k=512, n=96, seed=0):
+  layer = qlayers.QDense(n, quant=lq)
+  x = jax.random.normal(jax.random.key(seed), (4, k))
+  v = layer.init(jax.random.key(1), x)
+  leaves, tdef = jax.tree.flatten(v["params"])
+  keys = jax.random.split(jax.random.key(7), len(leaves))
+  params = jax.tree.unflatten(tdef, [l + 0.1 * jax.random.normal(kk, l.shape)
+                                     for l, kk in zip(leaves, keys)])  # nonzero bias too
+  return freeze.freeze_layer(params, lq), x
+
+
+def test_mosaic_implementation_says_what_it_cannot_run():
+  fl, x = _frozen_dense(binary.bitorch())
+  with pytest.raises(ValueError, match="input is quantized"):
+    freeze.apply_layer(fl, x, implementation="mosaic")
+  fl, x = _frozen_dense(binary.mpq(bits=4, group_size=32, asymmetric=True))
+  with pytest.raises(ValueError, match="group-wise or asymmetric"):
+    freeze.apply_layer(fl, x.astype(jnp.bfloat16), implementation="mosaic")
+  fl, x = _frozen_dense(binary.mpq(bits=4, group_size=None, asymmetric=False))
+  if jax.default_backend() != "gpu":
+    with pytest.raises(ValueError, match="runs on a GPU"):
+      freeze.apply_layer(fl, x.astype(jnp.bfloat16), implementation="mosaic")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu" or jax.__version_info__ < (0, 11),
+                    reason="needs a GPU and jax >= 0.11 (Pallas Mosaic GPU)")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_mosaic_frozen_layer_matches_xla_gpu(bits):
+  lq = binary.mpq(bits=bits, group_size=None, asymmetric=False)
+  fl, x = _frozen_dense(lq, k=1024, n=300)
+  x = jnp.tile(x, (4, 1)).astype(jnp.bfloat16)  # 16 rows
+  a = freeze.apply_layer(fl, x, implementation="mosaic")
+  b = freeze.apply_layer(fl, x, implementation="xla")
+  codes = np.asarray(fl.weight_codes(), np.float64) * np.asarray(fl.w_scale, np.float64)[:, None]
+  exact = np.asarray(x, np.float64) @ codes.T + np.asarray(fl.bias, np.float64)
+  rel = lambda o: float(np.linalg.norm(np.asarray(o, np.float64) - exact) / np.linalg.norm(exact))
+  # Both round to the bf16 output (and XLA's path the dequantized weights to bf16).
+  assert a.shape == b.shape == (16, 300)
+  assert rel(a) < 2**-8 and rel(b) < 2**-8

@@ -246,6 +246,9 @@ def mosaic_matmul(x: jax.Array, w: MosaicWeight, *, x_scale=None, out_dtype=jnp.
                      f"(limit {SMEM_BYTES}); use fewer steps or a smaller tile_k")
   if w.k_pad % (cfg.tile_k * cfg.split_k):
     raise ValueError(f"{cfg} does not tile K={w.k_pad} (padded): tile_k * split_k must divide it")
+  if not _common.on_gpu():
+    raise ValueError(f"the Mosaic kernel runs on a GPU; this backend is {jax.default_backend()!r} "
+                     f"(use implementation='interpret' or 'xla' on the CPU)")
   if jax.__version_info__ < (0, 11):
     raise ValueError(f"the Mosaic kernel needs jax >= 0.11 (Pallas Mosaic GPU); this is "
                      f"jax {jax.__version__}: use implementation='triton'")
