@@ -24,14 +24,12 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 import warnings
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,7 +39,7 @@ from qtrain.pallas import int8_matmul as imm  # noqa: E402
 from qtrain.pallas import mosaic_matmul as mm  # noqa: E402
 from qtrain.pallas import nbit_matmul as nbm  # noqa: E402
 from qtrain.pallas import prepared  # noqa: E402
-from qtrain.pallas._qmatmul import BlockConfig, heuristic_config  # noqa: E402
+from qtrain.pallas._qmatmul import BlockConfig  # noqa: E402
 
 MS = (1, 16, 64, 512, 4096)
 SHAPES = ((4096, 4096), (8192, 28672))

@@ -137,25 +137,37 @@ def _weight_scale(s, contract, free, shape):
   return "group", s, k // groups
 
 
-def _plan(lhs, rhs, dimension_numbers) -> _Plan:
-  """Canonicalises a call for a kernel, or raises _Unsupported(reason)."""
+def _axes(lhs, rhs, dimension_numbers):
+  """(lc, rc, lfree, rfree) of a batch-free dot with contracting axes, else _Unsupported."""
   from qtrain.core import qdot
 
+  (lc, rc), (lb, rb) = qdot.normalize_dimension_numbers(dimension_numbers, lhs.ndim, rhs.ndim)
+  if lb or rb:
+    raise _Unsupported("batch dimensions")
+  if not lc:
+    raise _Unsupported("no contracting dimensions")
+  return lc, rc, qdot.free_axes(lhs.ndim, lc, lb), qdot.free_axes(rhs.ndim, rc, rb)
+
+
+def _check_last_axis_dims(lhs, dimension_numbers, what: str) -> None:
+  """A prepared rhs (N, K) must contract lhs's last axis with its axis 1, no batch axes."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  if tuple(lb) or tuple(rb) or tuple(rc) != (1,) or tuple(a % lhs.ndim for a in lc) != (lhs.ndim - 1,):
+    raise ValueError(
+        f"with a {what} rhs, dimension_numbers must contract lhs's last axis with "
+        f"rhs axis 1 and have no batch axes; got {dimension_numbers}")
+
+
+def _plan(lhs, rhs, dimension_numbers) -> _Plan:
+  """Canonicalises a call for a kernel, or raises _Unsupported(reason)."""
   lq, rq = _is_qarray(lhs), _is_qarray(rhs)
   if isinstance(rhs, PreparedWeight):
     return _plan_prepared(lhs, rhs, dimension_numbers)
   if not rq:
     raise _Unsupported("the rhs is not quantized (kernels take quantized weights as rhs)")
-  dn = qdot.normalize_dimension_numbers(dimension_numbers, lhs.ndim, rhs.ndim)
-  (lc, rc), (lb, rb) = dn
-  if lb or rb:
-    raise _Unsupported("batch dimensions")
-  if not lc:
-    raise _Unsupported("no contracting dimensions")
+  lc, rc, lfree, rfree = _axes(lhs, rhs, dimension_numbers)
   if rhs.qtype.name not in _KERNEL_QTYPES:
     raise _Unsupported(f"rhs qtype {rhs.qtype.name} (kernels: {_KERNEL_QTYPES})")
-  lfree = qdot.free_axes(lhs.ndim, lc, lb)
-  rfree = qdot.free_axes(rhs.ndim, rc, rb)
   out_shape = tuple(lhs.shape[a] for a in lfree) + tuple(rhs.shape[a] for a in rfree)
   # lhs.
   if lq:
@@ -191,11 +203,7 @@ def _plan(lhs, rhs, dimension_numbers) -> _Plan:
 
 
 def _plan_prepared(lhs, w: PreparedWeight, dimension_numbers) -> _Plan:
-  (lc, rc), (lb, rb) = dimension_numbers
-  if tuple(lb) or tuple(rb) or tuple(rc) != (1,) or tuple(a % lhs.ndim for a in lc) != (lhs.ndim - 1,):
-    raise ValueError(
-        f"with a PreparedWeight rhs, dimension_numbers must contract lhs's last axis with "
-        f"rhs axis 1 and have no batch axes; got {dimension_numbers}")
+  _check_last_axis_dims(lhs, dimension_numbers, "PreparedWeight")
   lq = _is_qarray(lhs)
   if lq:
     if lhs.zero_point is not None or not lhs.qtype.is_integer_like:
@@ -220,19 +228,13 @@ def _finish_plan(lhs, lq, x, x_scale, w, out_shape, form):
 
 def _plan_mosaic(lhs, rhs, dimension_numbers):
   """(x, MosaicWeight, out_shape) for the Mosaic kernel, or _Unsupported(reason)."""
-  from qtrain.core import qdot
-
   if _is_qarray(lhs):
     raise _Unsupported(f"quantized ({lhs.qtype.name}) activations (the Mosaic kernel takes "
                        f"bf16/f16 activations)")
   if lhs.dtype not in _mosaic.ACT_DTYPES:
     raise _Unsupported(f"activations of dtype {lhs.dtype} (the Mosaic kernel takes bf16/f16)")
   if isinstance(rhs, _mosaic.MosaicWeight):
-    (lc, rc), (lb, rb) = dimension_numbers
-    if (tuple(lb) or tuple(rb) or tuple(rc) != (1,)
-        or tuple(a % lhs.ndim for a in lc) != (lhs.ndim - 1,)):
-      raise ValueError(f"with a MosaicWeight rhs, dimension_numbers must contract lhs's last axis "
-                       f"with rhs axis 1 and have no batch axes; got {dimension_numbers}")
+    _check_last_axis_dims(lhs, dimension_numbers, "MosaicWeight")
     return lhs.reshape(-1, lhs.shape[-1]), rhs, tuple(lhs.shape[:-1]) + (rhs.n,)
   if not _is_qarray(rhs):
     raise _Unsupported("the rhs is not quantized (kernels take quantized weights as rhs)")
@@ -240,14 +242,7 @@ def _plan_mosaic(lhs, rhs, dimension_numbers):
     raise _Unsupported(f"rhs qtype {rhs.qtype.name} (the Mosaic kernel takes {_mosaic.QTYPES})")
   if rhs.zero_point is not None:
     raise _Unsupported("weight zero points")
-  dn = qdot.normalize_dimension_numbers(dimension_numbers, lhs.ndim, rhs.ndim)
-  (lc, rc), (lb, rb) = dn
-  if lb or rb:
-    raise _Unsupported("batch dimensions")
-  if not lc:
-    raise _Unsupported("no contracting dimensions")
-  lfree = qdot.free_axes(lhs.ndim, lc, lb)
-  rfree = qdot.free_axes(rhs.ndim, rc, rb)
+  lc, rc, lfree, rfree = _axes(lhs, rhs, dimension_numbers)
   kind, s, _ = _weight_scale(rhs.scale.astype(jnp.float32), rc, rfree, rhs.shape)
   if kind != "channel":
     raise _Unsupported("group-wise weight scales (the Mosaic kernel takes per-channel scales)")
