@@ -6,9 +6,10 @@ so that the weights fill wgmma's 64-row M side and the few activation rows its
 N side (``out.T = w @ x.T``):
 
 * a warp-specialized pipeline (one producer warpgroup issuing TMA copies, two
-  consumer warpgroups, ``config.steps`` stages in flight) streams a 128-row
-  weight tile and the matching activation tile per K step;
-* each consumer warpgroup loads its 64 weight rows from shared memory with
+  consumer warpgroups, ``config.steps`` stages in flight) streams a weight
+  tile of ``2 * config.wg_rows`` rows and the matching activation tile per K
+  step;
+* each consumer warpgroup loads its ``wg_rows`` weight rows from shared memory with
   32-bit loads, decodes them in registers straight into wgmma's A-operand
   layout (the weights are stored pre-permuted, :mod:`qtrain.pallas.mosaic_layout`:
   no warp shuffles), and issues ``wgmma`` with the activations as the B
