@@ -55,7 +55,6 @@ Example (nnx):
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax

@@ -32,7 +32,7 @@ import functools
 import math
 import threading
 import warnings
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp

@@ -278,7 +278,6 @@ def test_float_backward_matches_fake_quant_ste_reference(name, layout):
 
 def _int8_grad_bounds_2d(x, w, ct, lq, rq):
   """Elementwise bounds of int8 (round-to-nearest) backward products, 'mk,kn'."""
-  dn = LAYOUTS["mk,kn"][0]
   xq = qarray.quantize(x, ref_spec(lq, 2, (1,), ()))
   wq = qarray.quantize(w, ref_spec(rq, 2, (0,), ()))
   g = np.asarray(ct, np.float64)

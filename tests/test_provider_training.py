@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-import pytest
 from flax import nnx
 from flax.training import train_state
 

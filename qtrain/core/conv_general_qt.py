@@ -39,7 +39,6 @@ import jax.numpy as jnp
 from qtrain.core import _lax
 from qtrain.core import config as cfg_lib
 from qtrain.core import qt_operand as dqt
-from qtrain.core import qarray as qa
 from qtrain.core import qdot
 
 

@@ -47,8 +47,8 @@ from qtrain.core import _lax
 from qtrain.core import config as cfg_lib
 from qtrain.core import qarray as qa
 from qtrain.core import qdot
-from qtrain.core.qt_operand import (OperandResidual, as_key, as_scale, finish_operand_grad,
-                                    operand_spec, quantize_grad, quantize_operand, split_key)
+from qtrain.core.qt_operand import (as_key, finish_operand_grad, quantize_grad, quantize_operand,
+                                    split_key)
 
 
 # ----------------------------------------------------------------------------

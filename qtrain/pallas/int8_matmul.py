@@ -11,7 +11,6 @@ import jax
 
 from qtrain.core import _lax
 import jax.numpy as jnp
-from jax import lax
 
 from qtrain.pallas import _qmatmul
 from qtrain.pallas.prepared import PreparedWeight, prepare_weight
