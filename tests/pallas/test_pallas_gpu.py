@@ -1,6 +1,7 @@
 """Every qtrain kernel compiled for real (Triton, Mosaic GPU) against its reference; GPU only.
 
-Run on the GPU machine: ``PYTHONPATH=. python -m pytest -m gpu tests/pallas``.
+Run on the GPU machine:
+``XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python -m pytest -m gpu -n 8 tests/pallas``.
 """
 
 import dataclasses
