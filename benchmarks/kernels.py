@@ -44,10 +44,10 @@ from qtrain.pallas._qmatmul import BlockConfig  # noqa: E402
 MS = (1, 16, 64, 512, 4096)
 SHAPES = ((4096, 4096), (8192, 28672))
 GROUP = 128
-MOSAIC_KERNELS = ("mosaic W1A16", "mosaic W4A16", "mosaic W8A16")  # per-channel scales, M <= 128
-KERNELS = ("binary W1A16", "binary W1A8", "binary W1A1", "int2 W2A16 g128", "int4 W4A16 g128",
-           "int4 W4A16", "int8 W8A16", "int8 x int8") + MOSAIC_KERNELS
+# Mosaic GPU kernels (per-channel scales, M <= 128) and their weight qtype.
 _MOSAIC_QTYPE = {"mosaic W1A16": "binary", "mosaic W4A16": "int4", "mosaic W8A16": "int8"}
+KERNELS = ("binary W1A16", "binary W1A8", "binary W1A1", "int2 W2A16 g128", "int4 W4A16 g128",
+           "int4 W4A16", "int8 W8A16", "int8 x int8") + tuple(_MOSAIC_QTYPE)
 
 
 def weight_bytes(kernel: str, n: int, k: int) -> float:

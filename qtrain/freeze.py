@@ -368,21 +368,12 @@ def _matmul_pallas(xq, layer: FrozenLayer, out_dtype, interpret: bool):
 
 
 def _matmul_mosaic(xq, layer: FrozenLayer, out_dtype):
-  """(M, K) float input x frozen weight through the Mosaic GPU kernel."""
-  from qtrain.pallas import mosaic_matmul as mm
-
-  why = None
-  if qdot.is_quantized(xq):
-    why = f"its input is quantized ({xq.qtype.name}); the Mosaic kernel takes float inputs"
-  elif layer.w_qtype not in mm.QTYPES:
-    why = f"its weights are {layer.w_qtype}; the Mosaic kernel takes {mm.QTYPES}"
-  elif layer.w_scale.ndim != 1 or layer.w_zero is not None:
-    why = "its weight scales are group-wise or asymmetric; the Mosaic kernel takes per-channel"
-  if why:
-    raise ValueError(f"implementation='mosaic' cannot run this layer: {why} "
-                     f"(use 'pallas' or 'xla')")
-  w = mm.prepare_mosaic_weight(layer.weight_codes(), layer.w_qtype, scale=layer.w_scale)
-  return mm.mosaic_matmul(xq, w, out_dtype=out_dtype)
+  """(M, K) float input x frozen weight through the Mosaic GPU kernel (dispatch says
+  why a layer cannot run there)."""
+  from qtrain.pallas import dispatch
+  return dispatch.quantized_dot_general(xq, _weight_qarray(layer), (((1,), (1,)), ((), ())),
+                                        preferred_element_type=out_dtype,
+                                        implementation="mosaic")
 
 
 def _matmul(xq, layer, out_dtype, impl):

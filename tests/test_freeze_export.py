@@ -138,15 +138,18 @@ def _frozen_dense(lq, k=512, n=96, seed=0):
 
 def test_mosaic_implementation_says_what_it_cannot_run():
   fl, x = _frozen_dense(binary.bitorch())
-  with pytest.raises(ValueError, match="input is quantized"):
+  with pytest.raises(ValueError, match=r"quantized \(binary\) activations"):
     freeze.apply_layer(fl, x, implementation="mosaic")
   fl, x = _frozen_dense(binary.mpq(bits=4, group_size=32, asymmetric=True))
-  with pytest.raises(ValueError, match="group-wise or asymmetric"):
+  with pytest.raises(ValueError, match="weight zero points"):
     freeze.apply_layer(fl, x.astype(jnp.bfloat16), implementation="mosaic")
   fl, x = _frozen_dense(binary.mpq(bits=4, group_size=None, asymmetric=False))
   if jax.default_backend() != "gpu":
     with pytest.raises(ValueError, match="runs on a GPU"):
       freeze.apply_layer(fl, x.astype(jnp.bfloat16), implementation="mosaic")
+  fl, x = _frozen_dense(binary.mpq(bits=4, group_size=32, asymmetric=False))
+  with pytest.raises(ValueError, match="group-wise weight scales"):
+    freeze.apply_layer(fl, x.astype(jnp.bfloat16), implementation="mosaic")
 
 
 @pytest.mark.gpu

@@ -256,9 +256,8 @@ def _plan_mosaic(lhs, rhs, dimension_numbers):
 
 
 def _run_mosaic(lhs, rhs, dimension_numbers, out_dtype) -> jax.Array:
-  if not _common.on_gpu():
-    raise ValueError(f"implementation='mosaic' needs a GPU backend; this one is "
-                     f"{jax.default_backend()!r}")
+  # What the kernel cannot take is reported first; mosaic_matmul then refuses a
+  # non-GPU backend (and jax < 0.11) by name.
   try:
     x, w, out_shape = _plan_mosaic(lhs, rhs, dimension_numbers)
   except _Unsupported as e:

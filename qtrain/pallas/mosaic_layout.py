@@ -34,8 +34,11 @@ Example:
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+from qtrain.core import packing
 
 CHUNK = {"int8": 16, "int4": 32, "binary": 128}  # K columns per permutation chunk
 
@@ -44,23 +47,32 @@ _QUAD_ORDER = (0, 2, 1, 3)
 
 
 def column_permutation(qtype: str) -> np.ndarray:
-  """``perm[s]``: the logical column stored at position ``s`` of a chunk (int8 / int4)."""
+  """``perm[s]``: the logical column stored at position ``s`` of a chunk.
+
+  For binary, position ``s = 32 q' + p`` is bit ``p`` of the chunk's word
+  ``q'`` in :mod:`qtrain.core.packing`'s layout (bit ``p`` = column ``p`` of
+  the word's 32), so packing the permuted values gives the words above.
+  """
   if qtype == "int4":
     return np.array([8 * (i // 2) + 2 * q + i % 2 for q in range(4) for i in range(8)])
   if qtype == "int8":
     return np.array([8 * (v // 2) + 2 * q + v % 2 for q in _QUAD_ORDER for v in range(4)])
-  raise ValueError(f"column_permutation takes qtype 'int8' or 'int4', got {qtype!r}")
+  if qtype == "binary":
+    return np.array([8 * (p % 16) + 2 * q + p // 16 for q in _QUAD_ORDER for p in range(32)])
+  raise ValueError(f"column_permutation takes qtype 'int8', 'int4' or 'binary', got {qtype!r}")
+
+
+def _chunk_index(qtype: str, k: int) -> np.ndarray:
+  perm = column_permutation(qtype)
+  c = len(perm)
+  if k % c:
+    raise ValueError(f"K={k} must be a multiple of {c} for {qtype} storage")
+  return (np.arange(k // c)[:, None] * c + perm[None, :]).reshape(-1)
 
 
 def permute_columns(values, qtype: str):
   """(N, K) values -> the same values with K in storage order (K a multiple of CHUNK)."""
-  perm = column_permutation(qtype)
-  c = len(perm)
-  k = values.shape[-1]
-  if k % c:
-    raise ValueError(f"K={k} must be a multiple of {c} for {qtype} storage")
-  idx = (np.arange(k // c)[:, None] * c + perm[None, :]).reshape(-1)
-  return jnp.take(jnp.asarray(values), jnp.asarray(idx), axis=-1)
+  return jnp.take(jnp.asarray(values), jnp.asarray(_chunk_index(qtype, values.shape[-1])), axis=-1)
 
 
 def pack_binary(values) -> jnp.ndarray:
@@ -69,26 +81,13 @@ def pack_binary(values) -> jnp.ndarray:
   K must be a multiple of 128.
   """
   values = jnp.asarray(values)
-  n, k = values.shape
-  if k % 128:
-    raise ValueError(f"K={k} must be a multiple of 128 for binary storage")
-  bits = (values > 0).astype(jnp.uint32).reshape(n, k // 128, 16, 4, 2)  # [.., j, q, e]
-  shift = (jnp.arange(16, dtype=jnp.uint32)[:, None]
-           + 16 * jnp.arange(2, dtype=jnp.uint32)[None, :])              # [j, e]
-  words = jnp.sum(bits << shift[:, None, :], axis=(2, 4), dtype=jnp.uint32)  # [.., q]
-  words = words[..., jnp.asarray(_QUAD_ORDER)]
-  byte = (words[..., None] >> (8 * jnp.arange(4, dtype=jnp.uint32))) & 0xFF  # [.., q', v]
-  return byte.astype(jnp.uint8).reshape(n, k // 8).view(jnp.int8)
+  words = packing.pack(permute_columns(values, "binary"), "binary")  # little-endian words
+  return jax.lax.bitcast_convert_type(words, jnp.int8).reshape(values.shape[0], -1)
 
 
 def unpack_binary(stored, k: int) -> jnp.ndarray:
   """Inverse of :func:`pack_binary`: (N, K // 8) int8 -> (N, K) int8 +-1."""
-  stored = jnp.asarray(stored).view(jnp.uint8).astype(jnp.uint32)
-  n = stored.shape[0]
-  byte = stored.reshape(n, k // 128, 4, 4)                                 # [.., q', v]
-  words = jnp.sum(byte << (8 * jnp.arange(4, dtype=jnp.uint32)), axis=-1, dtype=jnp.uint32)
-  words = words[..., jnp.argsort(jnp.asarray(_QUAD_ORDER))]               # [.., q]
-  shift = (jnp.arange(16, dtype=jnp.uint32)[:, None]
-           + 16 * jnp.arange(2, dtype=jnp.uint32)[None, :])              # [j, e]
-  bits = (words[:, :, None, :, None] >> shift[None, None, :, None, :]) & 1  # [.., j, q, e]
-  return jnp.where(bits.reshape(n, k) > 0, 1, -1).astype(jnp.int8)
+  stored = jnp.asarray(stored)
+  words = jax.lax.bitcast_convert_type(stored.reshape(stored.shape[0], -1, 4), jnp.uint32)
+  values = packing.unpack(words, "binary", size=k)
+  return jnp.take(values, jnp.asarray(np.argsort(_chunk_index("binary", k))), axis=-1)

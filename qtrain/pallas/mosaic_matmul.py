@@ -267,15 +267,11 @@ def mosaic_matmul(x: jax.Array, w: MosaicWeight, *, x_scale=None, out_dtype=jnp.
 
 def mosaic_matmul_reference(x: jax.Array, w_values: jax.Array, qtype: str, *, w_scale=None,
                             x_scale=None, out_dtype=jnp.float32) -> jax.Array:
-  """Pure-jnp reference (f32, HIGHEST precision) of :func:`mosaic_matmul`."""
-  wv = jnp.where(w_values > 0, 1, -1) if qtype == "binary" else w_values
-  acc = lax.dot_general(x.astype(jnp.float32), wv.astype(jnp.float32), (((1,), (1,)), ((), ())),
-                        precision=lax.Precision.HIGHEST)
-  if w_scale is not None:
-    acc = acc * jnp.broadcast_to(jnp.asarray(w_scale, jnp.float32).reshape(-1), (wv.shape[0],))
-  if x_scale is not None:
-    acc = acc * jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32).reshape(-1), (x.shape[0],))[:, None]
-  return acc.astype(out_dtype)
+  """Pure-jnp reference (f32, HIGHEST precision) of :func:`mosaic_matmul`: the
+  Triton kernels' references, which compute the same product."""
+  from qtrain.pallas import binary_matmul, nbit_matmul
+  ref = binary_matmul.binary_matmul_reference if qtype == "binary" else nbit_matmul.nbit_matmul_reference
+  return ref(x, w_values, w_scale=w_scale, x_scale=x_scale, out_dtype=out_dtype)
 
 
 # ----------------------------------------------------------------------------
