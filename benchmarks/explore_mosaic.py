@@ -5,10 +5,12 @@ Times :func:`qtrain.pallas.mosaic_matmul.mosaic_matmul` over a grid of
 pipeline depth; split-K as the wrapper picks it) at M = 16 and 64 on
 (K, N) = (8192, 28672) and M = 16 on (4096, 4096), each output checked against
 the f64 reference (``rel_err``: max abs error / max abs reference, f32 output),
-with XLA bf16 measured in the same run. Rows print as they finish and the JSON
-is rewritten after each.
+with XLA bf16 measured in the same run. ``--act int8`` times the int8-activation
+path (int8 codes with a row scale) instead of bf16 activations. Rows print as
+they finish and the JSON is rewritten after each.
 
   PYTHONPATH=. python benchmarks/explore_mosaic.py --budget-s 400 --json $OUT/mosaic_cfg.json
+  PYTHONPATH=. python benchmarks/explore_mosaic.py --act int8 --budget-s 300 --json $OUT/mosaic_a8.json
 
 GPU only (Hopper, jax >= 0.11).
 """
@@ -27,7 +29,7 @@ from benchmarks import _timing
 from qtrain.pallas import mosaic_matmul as mm
 
 
-def library_configs(qtype: str, m: int) -> list:
+def library_configs(qtype: str, m: int, act_bytes: int = 2) -> list:
   """Every (wg_rows, tile_k, steps) of the grid that the kernel accepts at this M."""
   out = []
   for wg_rows, tks in ((64, (512, 256)), (128, (256,))):
@@ -36,13 +38,14 @@ def library_configs(qtype: str, m: int) -> list:
         if qtype == "binary" and tk < 256:
           continue
         cfg = mm.MosaicConfig(tile_k=tk, steps=st, wg_rows=wg_rows)
-        if mm.smem_bytes(qtype, m, cfg) <= mm.SMEM_BYTES:
+        if mm.smem_bytes(qtype, m, cfg, act_bytes) <= mm.SMEM_BYTES:
           out.append(cfg)
   return out
 
 
 def run_configs(a: argparse.Namespace) -> None:
-  print(jax.__version__, jax.devices()[0].device_kind, flush=True)
+  print(jax.__version__, jax.devices()[0].device_kind, a.act, flush=True)
+  a8 = a.act == "int8"
   rows, t0 = [], time.time()
   for k, n, ms in ((8192, 28672, (16, 64)), (4096, 4096, (16,))):
     for m in ms:
@@ -51,18 +54,22 @@ def run_configs(a: argparse.Namespace) -> None:
       wbf = jax.random.normal(kw, (n, k), jnp.bfloat16)
       t_bf = _timing.time_in_loop(lambda x, w: x @ w.T, x, wbf)
       rows.append(dict(m=m, k=k, n=n, kernel="xla bf16", us=t_bf * 1e6))
+      xs = None
+      if a8:  # int8 codes with a per-row scale
+        xs = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1) / 127
+        x = jnp.clip(jnp.round(x.astype(jnp.float32) / xs[:, None]), -127, 127).astype(jnp.int8)
       print(rows[-1], flush=True)
       for qtype, lo, hi in (("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)):
         v = jax.random.randint(kw, (n, k), lo, hi, jnp.int32).astype(jnp.int8)
         w = mm.prepare_mosaic_weight(v, qtype)
-        ref = np.asarray(mm.mosaic_matmul_reference(x, v, qtype), np.float64)
-        base = mm.default_config(w, m)
-        for cfg in library_configs(qtype, m):
+        ref = np.asarray(mm.mosaic_matmul_reference(x, v, qtype, x_scale=xs), np.float64)
+        base = mm.default_config(w, m, act_dtype=x.dtype)
+        for cfg in library_configs(qtype, m, x.dtype.itemsize):
           if time.time() - t0 > a.budget_s:
             break
           cfg = mm.with_split(w, cfg)
-          f = jax.jit(lambda x, w, cfg=cfg: mm.mosaic_matmul(x, w, config=cfg))
-          name = f"{qtype} rows{cfg.wg_rows} tk{cfg.tile_k} s{cfg.steps} sk{cfg.split_k}"
+          f = jax.jit(lambda x, w, cfg=cfg: mm.mosaic_matmul(x, w, x_scale=xs, config=cfg))
+          name = f"{qtype}{' A8' if a8 else ''} rows{cfg.wg_rows} tk{cfg.tile_k} s{cfg.steps} sk{cfg.split_k}"
           try:
             out = np.asarray(f(x, w), np.float64)
             err = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
@@ -81,6 +88,7 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--budget-s", type=float, default=400)
   p.add_argument("--json", default=None)
+  p.add_argument("--act", choices=("bf16", "int8"), default="bf16")
   run_configs(p.parse_args())
 
 

@@ -7,6 +7,9 @@
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 3   # training steps side by side, D = 1024
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 4   # inline-PTX decoder configs: 4096^2, W{2,4}A8
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 5   # deeper pipelines / plane width; fp8 layouts vs qwix
+#   OUT=/tmp/out bash benchmarks/gpu_pending.sh 6   # GPU suite; Mosaic kernel table
+#   OUT=/tmp/out bash benchmarks/gpu_pending.sh 7   # fp8 step through XLA's fp8 dot
+#   OUT=/tmp/out bash benchmarks/gpu_pending.sh 8   # Mosaic int8 activations: tests, table, grid
 #
 # Needs qwix as a wheel in .whl/ for the qwix rows (see benchmarks/RESULTS.md).
 set -u
@@ -32,6 +35,13 @@ timeout 300 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider tests 2>&1 | gr
 timeout 260 python3 benchmarks/kernels.py --ms 1,16,64 --shapes 8192x28672,4096x4096 --budget-s 230 --check \
   --kernels "binary W1A16,int4 W4A16 g128,int4 W4A16,int8 W8A16,mosaic W1A16,mosaic W4A16,mosaic W8A16" \
   --json "$OUT/kernels_mosaic.json" 2>&1 | grep -v Warn | tee "$OUT/kernels_mosaic.log" | tail -45
+elif [ "$PART" = 8 ]; then
+# The Mosaic int8-activation path: its GPU tests, the kernel table beside Triton/XLA, its config grid.
+timeout 150 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider -k "mosaic or freeze" tests 2>&1 | grep -v Warn | tail -15 | tee "$OUT/gpu_tests_a8.log"
+timeout 250 python3 benchmarks/kernels.py --ms 1,16,64 --shapes 8192x28672,4096x4096 --budget-s 220 --check \
+  --kernels "binary W1A8,int8 x int8,mosaic W1A16,mosaic W1A8,mosaic W4A16,mosaic W4A8,mosaic W8A16,mosaic W8A8" \
+  --json "$OUT/kernels_a8.json" 2>&1 | grep -v Warn | tee "$OUT/kernels_a8.log" | tail -45
+timeout 170 python3 benchmarks/explore_mosaic.py --act int8 --budget-s 150 --json "$OUT/mosaic_a8.json" 2>&1 | grep -v Warn | tee "$OUT/mosaic_a8.log" | tail -30
 elif [ "$PART" = 7 ]; then
 timeout 330 python3 benchmarks/train_step.py --widths 4096 --tokens 8192 --steps 10 --repeats 3 \
   --configs bf16,qtrain_fp8_nosr_xla,qwix_fp8 --json "$OUT/step_fp8_xla.json" 2>&1 | grep -v Warning | tee "$OUT/step_fp8_xla.log" | tail -9

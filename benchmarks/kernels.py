@@ -45,7 +45,8 @@ MS = (1, 16, 64, 512, 4096)
 SHAPES = ((4096, 4096), (8192, 28672))
 GROUP = 128
 # Mosaic GPU kernels (per-channel scales, M <= 128) and their weight qtype.
-_MOSAIC_QTYPE = {"mosaic W1A16": "binary", "mosaic W4A16": "int4", "mosaic W8A16": "int8"}
+_MOSAIC_QTYPE = {"mosaic W1A16": "binary", "mosaic W4A16": "int4", "mosaic W8A16": "int8",
+                 "mosaic W1A8": "binary", "mosaic W4A8": "int4", "mosaic W8A8": "int8"}
 KERNELS = ("binary W1A16", "binary W1A8", "binary W1A1", "int2 W2A16 g128", "int4 W4A16 g128",
            "int4 W4A16", "int8 W8A16", "int8 x int8") + tuple(_MOSAIC_QTYPE)
 
@@ -152,6 +153,9 @@ def kernel_fn(kernel: str, ops: Operands, config, method: str = "mma"):
     return (lambda x, w: nbm.nbit_matmul(x, w, out_dtype=out, config=config)), (ops.x, w)
   if kernel == "int8 W8A16":
     return (lambda x, w: nbm.nbit_matmul(x, w, out_dtype=out, config=config)), (ops.x, ops.w8)
+  if kernel in _MOSAIC_QTYPE and kernel.endswith("A8"):
+    return (lambda x, w, s: mm.mosaic_matmul(x, w, x_scale=s, out_dtype=out, config=config)), (
+        ops.xq, ops.mosaic[_MOSAIC_QTYPE[kernel]], ops.xs)
   if kernel in _MOSAIC_QTYPE:
     return (lambda x, w: mm.mosaic_matmul(x, w, out_dtype=out, config=config)), (
         ops.x, ops.mosaic[_MOSAIC_QTYPE[kernel]])
@@ -175,6 +179,8 @@ def reference(kernel: str, ops: Operands) -> jax.Array:
     qt = _MOSAIC_QTYPE[kernel]
     w = ops.mosaic[qt]
     vals = {"binary": ops.w_bin_values, "int4": ops.w4_values, "int8": ops.w8_values}[qt]
+    if kernel.endswith("A8"):
+      return mm.mosaic_matmul_reference(ops.xq, vals, qt, w_scale=w.w_scale, x_scale=ops.xs)
     return mm.mosaic_matmul_reference(ops.x, vals, qt, w_scale=w.w_scale)
   if kernel == "int4 W4A16":
     return nbm.nbit_matmul_reference(ops.x, ops.w4_values, w_scale=ops.w4_scale)
@@ -322,8 +328,9 @@ def main():
         if cfg is not None:
           best_cfgs[(kernel, k, n, m)] = cfg
         elif kernel in _MOSAIC_QTYPE:
-          c = mm.default_config(ops.mosaic[_MOSAIC_QTYPE[kernel]], m)
-          note = f"default config tk{c.tile_k} s{c.steps} sk{c.split_k} " + note
+          c = mm.default_config(ops.mosaic[_MOSAIC_QTYPE[kernel]], m,
+                                act_dtype=jnp.int8 if kernel.endswith("A8") else jnp.bfloat16)
+          note = f"default config rows{c.wg_rows} tk{c.tile_k} s{c.steps} sk{c.split_k} " + note
         elif kernel != "xla int8":
           note = "default config " + note
         rows.append((m, k, n, kernel, t, note))

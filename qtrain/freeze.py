@@ -29,8 +29,9 @@ layers replaced by their frozen versions (``nn.intercept_methods``), the rest
   padding contributes 0 exactly as in training) + packed matmul;
 * ``"mosaic"``: the Mosaic GPU kernel
   (:func:`qtrain.pallas.mosaic_matmul.mosaic_matmul`; Hopper, jax >= 0.11) for
-  layers with float (bf16/f16) inputs, binary/int4/int8 per-channel weights
-  and at most 128 rows; any other layer raises ValueError saying why;
+  layers with bf16/f16 inputs or symmetric integer-quantized ones (<= 8 bits,
+  binary included: the int8-activation path), binary/int4/int8 per-channel
+  weights and at most 128 rows; any other layer raises ValueError saying why;
 * ``"auto"``: ``"pallas"`` on GPU, ``"xla"`` elsewhere.
 
 :func:`layer_sizes` reports bytes per layer (binary layers ~25x smaller than

@@ -137,13 +137,16 @@ def _frozen_dense(lq, k=512, n=96, seed=0):
 
 
 def test_mosaic_implementation_says_what_it_cannot_run():
-  fl, x = _frozen_dense(binary.bitorch())
-  with pytest.raises(ValueError, match=r"quantized \(binary\) activations"):
-    freeze.apply_layer(fl, x, implementation="mosaic")
+  fl, x = _frozen_dense(binary.bitorch())  # binary activations: the int8-activation path
+  if jax.default_backend() != "gpu":
+    with pytest.raises(ValueError, match="runs on a GPU"):
+      freeze.apply_layer(fl, x, implementation="mosaic")
   fl, x = _frozen_dense(binary.mpq(bits=4, group_size=32, asymmetric=True))
   with pytest.raises(ValueError, match="weight zero points"):
     freeze.apply_layer(fl, x.astype(jnp.bfloat16), implementation="mosaic")
   fl, x = _frozen_dense(binary.mpq(bits=4, group_size=None, asymmetric=False))
+  with pytest.raises(ValueError, match="activations of dtype float32"):
+    freeze.apply_layer(fl, x, implementation="mosaic")
   if jax.default_backend() != "gpu":
     with pytest.raises(ValueError, match="runs on a GPU"):
       freeze.apply_layer(fl, x.astype(jnp.bfloat16), implementation="mosaic")
@@ -168,3 +171,18 @@ def test_mosaic_frozen_layer_matches_xla_gpu(bits):
   # Both round to the bf16 output (and XLA's path the dequantized weights to bf16).
   assert a.shape == b.shape == (16, 300)
   assert rel(a) < 2**-8 and rel(b) < 2**-8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu" or jax.__version_info__ < (0, 11),
+                    reason="needs a GPU and jax >= 0.11 (Pallas Mosaic GPU)")
+def test_mosaic_frozen_binary_layer_matches_xla_gpu():
+  # Binary activations x binary weights through the int8-activation kernel:
+  # integer products, exact like the XLA path's int8 dot.
+  fl, x = _frozen_dense(binary.bitorch(), k=1024, n=300)
+  x = jnp.tile(x, (4, 1))  # 16 rows
+  a = freeze.apply_layer(fl, x, implementation="mosaic")
+  b = freeze.apply_layer(fl, x, implementation="xla")
+  assert a.shape == b.shape == (16, 300)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
+                             atol=1e-6 * float(np.max(np.abs(b))))

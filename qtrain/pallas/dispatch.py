@@ -28,7 +28,8 @@ vary along K and per-element contracting scales are not handled by a kernel.
   "xla": always the XLA reference, layouts left to XLA.
   "triton": the Pallas Triton kernel (GPU only); ValueError where unsupported.
   "mosaic": the Pallas Mosaic GPU kernel (:mod:`qtrain.pallas.mosaic_matmul`;
-    Hopper, jax >= 0.11): bf16/f16 activations (M <= 128) x binary/int4/int8
+    Hopper, jax >= 0.11): bf16/f16 activations, or symmetric integer QArray
+    activations of <= 8 bits (int8 wgmma), M <= 128, x binary/int4/int8
     weights with per-channel scales, as a QArray or a
     :class:`~qtrain.pallas.mosaic_matmul.MosaicWeight`; ValueError elsewhere.
     Not chosen by "auto": measured against Triton in benchmarks/RESULTS.md.
@@ -226,16 +227,30 @@ def _finish_plan(lhs, lq, x, x_scale, w, out_shape, form):
   return _Plan("nbit", x, x_scale, w, out_shape, "qarray" if form == "qarray-nk" else form)
 
 
-def _plan_mosaic(lhs, rhs, dimension_numbers):
-  """(x, MosaicWeight, out_shape) for the Mosaic kernel, or _Unsupported(reason)."""
+def _mosaic_lhs(lhs, contract, free):
+  """(x (M, K), x_scale (M,) or None) for the Mosaic kernel: bf16/f16, or the
+  int8 codes and row scales of a symmetric integer QArray; else _Unsupported."""
   if _is_qarray(lhs):
-    raise _Unsupported(f"quantized ({lhs.qtype.name}) activations (the Mosaic kernel takes "
-                       f"bf16/f16 activations)")
-  if lhs.dtype not in _mosaic.ACT_DTYPES:
-    raise _Unsupported(f"activations of dtype {lhs.dtype} (the Mosaic kernel takes bf16/f16)")
+    if not lhs.qtype.is_integer_like or lhs.qtype.bits > 8:
+      raise _Unsupported(f"{lhs.qtype.name} activations (the Mosaic kernel takes bf16/f16 "
+                         f"activations or integer ones of at most 8 bits)")
+    if lhs.zero_point is not None:
+      raise _Unsupported("asymmetric (zero-point) activations")
+    x = _canonical_operand(lhs.qvalue, contract, free).astype(jnp.int8)
+    return x, _row_scale(lhs.scale.astype(jnp.float32), contract, free, lhs.shape)
+  if lhs.dtype not in (jnp.bfloat16, jnp.float16):
+    raise _Unsupported(f"activations of dtype {lhs.dtype} (the Mosaic kernel takes bf16/f16, "
+                       f"or int8 QArrays)")
+  return _canonical_operand(lhs, contract, free), None
+
+
+def _plan_mosaic(lhs, rhs, dimension_numbers):
+  """(x, x_scale, MosaicWeight, out_shape) for the Mosaic kernel, or _Unsupported(reason)."""
   if isinstance(rhs, _mosaic.MosaicWeight):
     _check_last_axis_dims(lhs, dimension_numbers, "MosaicWeight")
-    return lhs.reshape(-1, lhs.shape[-1]), rhs, tuple(lhs.shape[:-1]) + (rhs.n,)
+    nd = lhs.ndim
+    x, x_scale = _mosaic_lhs(lhs, (nd - 1,), tuple(range(nd - 1)))
+    return x, x_scale, rhs, tuple(lhs.shape[:-1]) + (rhs.n,)
   if not _is_qarray(rhs):
     raise _Unsupported("the rhs is not quantized (kernels take quantized weights as rhs)")
   if rhs.qtype.name not in _mosaic.QTYPES:
@@ -246,24 +261,24 @@ def _plan_mosaic(lhs, rhs, dimension_numbers):
   kind, s, _ = _weight_scale(rhs.scale.astype(jnp.float32), rc, rfree, rhs.shape)
   if kind != "channel":
     raise _Unsupported("group-wise weight scales (the Mosaic kernel takes per-channel scales)")
-  x = _canonical_operand(lhs, lc, lfree)
+  x, x_scale = _mosaic_lhs(lhs, lc, lfree)
   if not 1 <= x.shape[0] <= _mosaic.MAX_M or x.shape[1] == 0:
     raise _Unsupported(f"M={x.shape[0]} (the Mosaic kernel serves M in 1..{_mosaic.MAX_M})")
   w = _mosaic.prepare_mosaic_weight(_canonical_operand(rhs.qvalue, rc, rfree), rhs.qtype.name,
                                     scale=s)
   out_shape = tuple(lhs.shape[a] for a in lfree) + tuple(rhs.shape[a] for a in rfree)
-  return x, w, out_shape
+  return x, x_scale, w, out_shape
 
 
 def _run_mosaic(lhs, rhs, dimension_numbers, out_dtype) -> jax.Array:
   # What the kernel cannot take is reported first; mosaic_matmul then refuses a
   # non-GPU backend (and jax < 0.11) by name.
   try:
-    x, w, out_shape = _plan_mosaic(lhs, rhs, dimension_numbers)
+    x, x_scale, w, out_shape = _plan_mosaic(lhs, rhs, dimension_numbers)
   except _Unsupported as e:
     raise ValueError(f"implementation='mosaic': the Mosaic kernel does not handle this dot ({e}); "
                      f"use implementation='triton', 'xla' or 'auto'") from None
-  return _mosaic.mosaic_matmul(x, w, out_dtype=out_dtype).reshape(out_shape)
+  return _mosaic.mosaic_matmul(x, w, x_scale=x_scale, out_dtype=out_dtype).reshape(out_shape)
 
 
 def _run(plan: _Plan, out_dtype, interpret: bool) -> jax.Array:

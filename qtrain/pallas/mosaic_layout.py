@@ -23,6 +23,13 @@ Per chunk of K columns, stored column ``s`` holds logical column
   ``8j + 2q + 1`` at bit ``16 + j`` (j = 0..15), so one shift moves a pair of
   bits to the sign positions (15 and 31) of a packed pair of 16-bit floats.
 
+With int8 activations (the kernels' "A8" path) the decoded weights go to
+wgmma's 8-bit A layout instead (thread quad ``q`` holds columns ``4q + v`` of
+each 16-column chunk). The weights keep the storage order above (one
+prepared weight serves both paths); the decode puts each stored column into
+some 8-bit slot, and :func:`activation_permutation` permutes the activations'
+K columns the same way, so the dot product is unchanged.
+
 Example:
   >>> import numpy as np
   >>> from qtrain.pallas import mosaic_layout
@@ -62,8 +69,42 @@ def column_permutation(qtype: str) -> np.ndarray:
   raise ValueError(f"column_permutation takes qtype 'int8', 'int4' or 'binary', got {qtype!r}")
 
 
-def _chunk_index(qtype: str, k: int) -> np.ndarray:
+def activation_permutation(qtype: str) -> np.ndarray:
+  """``sigma[kc]``: the logical column the int8-activation kernel multiplies at
+  its K position ``kc`` of a chunk (the activations are permuted by it).
+
+  * int8: wgmma reads the stored tile from shared memory as it is, so
+    ``sigma`` is the storage order itself.
+  * int4: quad ``q``'s 32-bit word holds stored nibbles ``8q + i``; the even
+    nibbles (``i = 2v``) become the bytes of the 16-column sub-chunk ``j = 0``,
+    the odd ones of ``j = 1`` (column ``16 j + 4 q + v``).
+  * binary: quad ``q``'s word holds stored bytes ``4 _QUAD_ORDER[q] + v``;
+    shifting it left by ``t`` moves bit ``7 - t`` of each byte to the byte's
+    sign position, the bytes of sub-chunk ``t`` (column ``16 t + 4 q + v``).
+  """
   perm = column_permutation(qtype)
+  if qtype == "int8":
+    return perm
+  sigma = np.empty_like(perm)
+  for q in range(4):
+    for v in range(4):
+      if qtype == "int4":
+        for j in range(2):
+          sigma[16 * j + 4 * q + v] = perm[8 * q + 2 * v + j]
+      else:
+        for t in range(8):
+          sigma[16 * t + 4 * q + v] = perm[8 * (4 * _QUAD_ORDER[q] + v) + 7 - t]
+  return sigma
+
+
+def permute_activations(x, qtype: str):
+  """(M, K) activations -> K in the int8-activation kernel's order for ``qtype`` weights."""
+  return jnp.take(jnp.asarray(x), jnp.asarray(_chunk_index(qtype, x.shape[-1], activation_permutation)),
+                  axis=-1)
+
+
+def _chunk_index(qtype: str, k: int, order=None) -> np.ndarray:
+  perm = (order or column_permutation)(qtype)
   c = len(perm)
   if k % c:
     raise ValueError(f"K={k} must be a multiple of {c} for {qtype} storage")

@@ -1,4 +1,4 @@
-"""Mosaic GPU (Hopper wgmma + TMA) small-M weight-only matmul: binary / int4 / int8 x bf16/f16.
+"""Mosaic GPU (Hopper wgmma + TMA) small-M matmul: binary / int4 / int8 weights x bf16/f16/int8.
 
 ``out = (x @ w.T) * w_scale * x_scale`` for decode-sized M (<= :data:`MAX_M`),
 with weights from :func:`prepare_mosaic_weight`. The kernel swaps the operands
@@ -16,6 +16,14 @@ N side (``out.T = w @ x.T``):
   operand from shared memory;
 * binary decode: one shift and one ``(w & 0x80008000) ^ ±1`` per pair of
   weights; int4/int8: Mosaic's vectorized integer-to-float conversion;
+* int8 activations (``x`` int8, the "A8" path): int8 wgmma with int32
+  accumulation, which takes twice the K per instruction. int8 weights are
+  read by wgmma straight from shared memory; binary weights decode to
+  ``±64`` bytes (one shift and one ``(w & 0x80808080) ^ 0xC0C0C0C0`` per 4
+  weights), int4 to ``16 * value`` (one shift and one mask per 4); the
+  activations' K columns are permuted to match
+  (:func:`qtrain.pallas.mosaic_layout.activation_permutation`) and the
+  factor is divided out with the scales;
 * ``config.split_k`` > 1 splits K across CTAs (for small N); partial sums are
   added, and the scales applied, by XLA on the small (N, M) result.
 
@@ -28,6 +36,7 @@ Example (GPU)::
 
   w = prepare_mosaic_weight(codes, "int4", scale=s)     # codes: (N, K) int8 in [-8, 7]
   y = mosaic_matmul(x.astype(jnp.bfloat16), w, out_dtype=jnp.bfloat16)   # x: (M, K)
+  y8 = mosaic_matmul(x_codes, w, x_scale=x_s)    # x_codes: (M, K) int8, x_s: (M,)
 """
 
 from __future__ import annotations
@@ -44,7 +53,11 @@ from qtrain.pallas import _common
 from qtrain.pallas import mosaic_layout
 
 QTYPES = ("binary", "int4", "int8")
-ACT_DTYPES = (jnp.bfloat16, jnp.float16)
+ACT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.int8)
+# int8 activations: the decoded weight is this multiple of its value (divided out with the scales)
+A8_FACTOR = {"binary": 64, "int4": 16, "int8": 1}
+# int8 activations accumulate in int32: |w code * factor| * 128 * K_pad must stay below 2**31
+A8_MAX_K = 2**31 // (128 * 128)
 MAX_M = 128  # the activation rows are wgmma's N side (<= 256); decode sizes only
 K_ALIGN = 512  # K is padded to this at preparation (a multiple of every tile_k / chunk)
 WG_ROWS = (64, 128)  # weight rows per consumer warpgroup (wgmma M: 1 or 2 instructions)
@@ -163,14 +176,16 @@ def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None) -> Mosai
 SMEM_BYTES = 232448 - 1024  # Hopper's per-block shared memory, less barriers
 
 
-def smem_bytes(qtype: str, m: int, cfg: MosaicConfig) -> int:
-  """Shared memory the kernel allocates: ``steps`` weight + activation tiles and the output tiles."""
+def smem_bytes(qtype: str, m: int, cfg: MosaicConfig, act_bytes: int = 2) -> int:
+  """Shared memory the kernel allocates: ``steps`` weight + activation tiles and the output tiles
+  (``act_bytes``: 2 for bf16/f16 activations, 1 for int8)."""
   mp = _common.round_up(m, 16)
   w_tile = cfg.cta_rows * cfg.tile_k * {"binary": 1, "int4": 4, "int8": 8}[qtype] // 8
-  return cfg.steps * (w_tile + mp * cfg.tile_k * 2) + cfg.cta_rows * mp * 4
+  return cfg.steps * (w_tile + mp * cfg.tile_k * act_bytes) + cfg.cta_rows * mp * 4
 
 
-def default_config(w: MosaicWeight, m: int, num_sms: int | None = None) -> MosaicConfig:
+def default_config(w: MosaicWeight, m: int, num_sms: int | None = None,
+                   act_dtype=jnp.bfloat16) -> MosaicConfig:
   """Measured defaults (benchmarks/RESULTS.md "Mosaic GPU kernels", H200).
 
   Where 64-row warpgroup tiles would take more than one wave of SMs (large N),
@@ -178,17 +193,18 @@ def default_config(w: MosaicWeight, m: int, num_sms: int | None = None) -> Mosai
   weight byte); otherwise 64 rows with tile_k 512 (int8: 256) and split K
   while the CTAs fit in one wave. Pipeline depth: binary 4, int4/int8 3,
   fewer (then smaller tiles) where M's activation tiles would overflow shared
-  memory.
+  memory. int8 activations (``act_dtype``) use the same tiles.
   """
   sms = num_sms or _num_sms()
+  ab = jnp.dtype(act_dtype).itemsize
   steps = 4 if w.qtype == "binary" else 3
   if w.n_pad // (_WGS * 64) > sms:
     for st in range(steps, 1, -1):
       cfg = MosaicConfig(tile_k=256, steps=st, wg_rows=128)
-      if smem_bytes(w.qtype, m, cfg) <= SMEM_BYTES:
+      if smem_bytes(w.qtype, m, cfg, ab) <= SMEM_BYTES:
         return with_split(w, cfg, sms)
   tile_k = 256 if w.qtype == "int8" else 512
-  while smem_bytes(w.qtype, m, MosaicConfig(tile_k=tile_k, steps=steps)) > SMEM_BYTES:
+  while smem_bytes(w.qtype, m, MosaicConfig(tile_k=tile_k, steps=steps), ab) > SMEM_BYTES:
     if steps > 2:
       steps -= 1
     elif tile_k > (256 if w.qtype == "binary" else min(TILE_KS)):
@@ -220,30 +236,36 @@ def mosaic_matmul(x: jax.Array, w: MosaicWeight, *, x_scale=None, out_dtype=jnp.
   """``(x @ w.T) * w_scale * x_scale`` on the GPU by the Mosaic kernel.
 
   Args:
-    x: (M, K) bf16 or f16 activations, M <= :data:`MAX_M`.
+    x: (M, K) bf16 or f16 activations, or int8 activation codes (then
+      ``x_scale`` carries their scale), M <= :data:`MAX_M`.
     w: a :class:`MosaicWeight` with ``w.k == K``.
     x_scale: None, a scalar, or (M,) per-row scale.
     out_dtype: output dtype.
     config: a :class:`MosaicConfig`; default :func:`default_config`.
 
   Returns:
-    (M, N) ``out_dtype`` (f32 accumulation).
+    (M, N) ``out_dtype`` (f32 accumulation; int32 for int8 activations, exact).
   """
   if x.ndim != 2 or x.shape[1] != w.k:
     raise ValueError(f"x has shape {x.shape}; expected (M, {w.k})")
   if x.dtype not in ACT_DTYPES:
-    raise ValueError(f"activations of dtype {x.dtype}: the Mosaic kernel takes bfloat16 or "
-                     f"float16 (cast them, or use implementation='triton' for float32)")
+    raise ValueError(f"activations of dtype {x.dtype}: the Mosaic kernel takes bfloat16, "
+                     f"float16 or int8 (cast them, or use implementation='triton' for float32)")
   m = x.shape[0]
   if not 1 <= m <= MAX_M:
     raise ValueError(f"M={m}: the Mosaic kernel serves decode sizes 1..{MAX_M}; use "
                      f"implementation='triton' or 'xla' for larger M")
-  cfg = config or default_config(w, m)
+  a8 = x.dtype == jnp.int8
+  if a8 and w.k_pad > A8_MAX_K:
+    raise ValueError(f"K={w.k} (padded {w.k_pad}) with int8 activations could overflow the int32 "
+                     f"accumulator; the Mosaic kernel takes K <= {A8_MAX_K} there")
+  cfg = config or default_config(w, m, act_dtype=x.dtype)
   if w.qtype == "binary" and cfg.tile_k < 256:
     raise ValueError(f"tile_k={cfg.tile_k}: binary weights need tile_k >= 256 (rows of at least "
                      f"32 bytes of packed bits per step)")
-  if smem_bytes(w.qtype, m, cfg) > SMEM_BYTES:
-    raise ValueError(f"{cfg} at M={m} needs {smem_bytes(w.qtype, m, cfg)} bytes of shared memory "
+  need = smem_bytes(w.qtype, m, cfg, x.dtype.itemsize)
+  if need > SMEM_BYTES:
+    raise ValueError(f"{cfg} at M={m} needs {need} bytes of shared memory "
                      f"(limit {SMEM_BYTES}); use fewer steps or a smaller tile_k")
   if w.k_pad % (cfg.tile_k * cfg.split_k):
     raise ValueError(f"{cfg} does not tile K={w.k_pad} (padded): tile_k * split_k must divide it")
@@ -255,8 +277,12 @@ def mosaic_matmul(x: jax.Array, w: MosaicWeight, *, x_scale=None, out_dtype=jnp.
                      f"jax {jax.__version__}: use implementation='triton'")
   mp = _common.round_up(m, 16)
   xp = jnp.pad(x, ((0, mp - m), (0, w.k_pad - w.k)))
+  if a8:
+    xp = mosaic_layout.permute_activations(xp, w.qtype)
   parts = _kernel(w.data, xp, qtype=w.qtype, k_pad=w.k_pad, cfg=cfg)
   acc = (parts[0] if cfg.split_k == 1 else parts.sum(0))[:w.n, :m].T
+  if a8:
+    acc = acc.astype(jnp.float32) * (1.0 / A8_FACTOR[w.qtype])
   if w.w_scale is not None:
     acc = acc * w.w_scale[None, :]
   if x_scale is not None:
@@ -302,6 +328,66 @@ def binary_pair_bits(word: int, j: int, one_bits: int) -> int:
   return (((word << (15 - j)) & 0xFFFFFFFF) & 0x80008000) ^ (minus | minus << 16)
 
 
+def binary_int8_bits(word: int, t: int) -> int:
+  """The four int8 weights (one 32-bit word, ``±64`` each) the int8-activation
+  kernel decodes for shift ``t`` of a packed word: ``((word << t) & 0x80808080)
+  ^ 0xC0C0C0C0`` (bit set -> 0x40 = +64). Python-int model of the kernel's PTX."""
+  return (((word << t) & 0xFFFFFFFF) & 0x80808080) ^ 0xC0C0C0C0
+
+
+def int4_int8_bits(word: int, j: int) -> int:
+  """The four int8 weights (``16 * value``) the int8-activation kernel decodes
+  from a word of eight int4 values: the even nibbles (``j = 0``, moved to the
+  high half of each byte) or the odd ones (``j = 1``). Python-int model."""
+  return ((word << 4) & 0xF0F0F0F0) if j == 0 else (word & 0xF0F0F0F0)
+
+
+def _int8_fragment(q, rows: int, tile_k: int, per: int, decode_word):
+  """Upcast-layout fragment -> an int8 fragment in wgmma's 8-bit A layout:
+  ``decode_word(word, j)`` gives the 32-bit register of part ``j`` of ``per``."""
+  from jax._src.lib.mlir import ir
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+  i32 = ir.IntegerType.get_signless(32)
+  quad = ir.VectorType.get((4,), ir.IntegerType.get_signless(8))
+  out = np.empty(fa.WGMMA_LAYOUT_8BIT.registers_shape((rows, tile_k)), dtype=object)
+  for idx, reg in np.ndenumerate(q.registers):
+    word = mgpu.utils.bitcast(reg, i32)
+    for j in range(per):
+      out[wgmma_register(idx, j, per, out.ndim)] = mgpu.utils.bitcast(decode_word(word, j), quad)
+  return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=True)
+
+
+def _decode_binary_a8(q, rows: int, tile_k: int):
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith
+  from jax.experimental.mosaic import gpu as mgpu
+
+  i32 = ir.IntegerType.get_signless(32)
+  sign, flip = (mgpu.utils.c(_i32(v), i32) for v in (0x80808080, 0xC0C0C0C0))
+
+  def word_to_quad(word, t):
+    shifted = word if t == 0 else arith.shli(word, mgpu.utils.c(t, i32))
+    return arith.xori(arith.andi(shifted, sign), flip)
+
+  return _int8_fragment(q, rows, tile_k, 8, word_to_quad)
+
+
+def _decode_int4_a8(q, rows: int, tile_k: int):
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith
+  from jax.experimental.mosaic import gpu as mgpu
+
+  i32 = ir.IntegerType.get_signless(32)
+  high = mgpu.utils.c(_i32(0xF0F0F0F0), i32)
+
+  def word_to_quad(word, j):
+    return arith.andi(arith.shli(word, mgpu.utils.c(4, i32)) if j == 0 else word, high)
+
+  return _int8_fragment(q, rows, tile_k, 2, word_to_quad)
+
+
 def _decode_binary(q, rows: int, tile_k: int, float_type, one_bits: int):
   """Packed-bit fragment (int8, upcast layout) -> +-1 fragment in the wgmma A layout."""
   from jax._src.lib.mlir import ir
@@ -337,7 +423,8 @@ def _relabel(y, rows: int, tile_k: int, per: int):
 
 
 def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig) -> jax.Array:
-  """(Np, Kw) weights x (Mp, Kp) activations -> (split_k, Np, Mp) f32 partial sums."""
+  """(Np, Kw) weights x (Mp, Kp) activations -> (split_k, Np, Mp) partial sums
+  (f32; int32 for int8 activations)."""
   from jax._src.lib.mlir import ir
   from jax.experimental import pallas as pl
   from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -348,6 +435,8 @@ def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig) -> jax.Array:
   mp = x.shape[0]
   tile_k, split = cfg.tile_k, cfg.split_k
   act = x.dtype
+  a8 = act == jnp.int8
+  acc_dtype = jnp.int32 if a8 else jnp.float32
   float_type = ir.BF16Type.get if act == jnp.bfloat16 else ir.F16Type.get
   one_bits = 0x3F80 if act == jnp.bfloat16 else 0x3C00
   bits = {"binary": 8, "int4": 4, "int8": 8}[qtype]
@@ -363,17 +452,20 @@ def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig) -> jax.Array:
     return plgpu.TilingTransform((8, sw * 8 // elem_bits)), plgpu.SwizzleTransform(sw)
 
   w_tr = tiled(bits, w_cols, "lhs")
-  x_tr = tiled(16, tile_k, "rhs")
+  x_tr = tiled(8 * act.itemsize, tile_k, "rhs")
   o_tr = tiled(32, mp, "out")
   w_swizzle = w_tr[1].swizzle
   load_layout = fa.WGMMA_LAYOUT_UPCAST_4X if qtype == "int4" else fa.WGMMA_LAYOUT_UPCAST_2X
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(w_tr),),
-                     return_type=plgpu.ShapeDtypeStruct((rows, tile_k), act,
-                                                        layout=plgpu.Layout.WGMMA))
+                     return_type=plgpu.ShapeDtypeStruct(
+                         (rows, tile_k), act,
+                         layout=plgpu.Layout.WGMMA_8BIT if a8 else plgpu.Layout.WGMMA))
   def decode(ctx, ref):
     del ctx
     q = mgpu.FragmentedArray.load_tiled(ref, swizzle=w_swizzle, is_signed=True, layout=load_layout)
+    if a8:
+      return (_decode_binary_a8 if qtype == "binary" else _decode_int4_a8)(q, rows, tile_k)
     if qtype == "binary":
       return _decode_binary(q, rows, tile_k, float_type(), one_bits)
     return _relabel(q.astype(float_type()), rows, tile_k, per=4 if qtype == "int4" else 2)
@@ -407,7 +499,7 @@ def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig) -> jax.Array:
         wg_rows = pl.ds(wg * rows, rows)
 
         def context(run):
-          @functools.partial(pl.run_scoped, acc=plgpu.ACC((rows, mp), jnp.float32))
+          @functools.partial(pl.run_scoped, acc=plgpu.ACC((rows, mp), acc_dtype))
           def _acc(acc):
             run(acc)
             res = acc[...]
@@ -417,7 +509,9 @@ def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig) -> jax.Array:
             plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[s_idx].at[tile_rows].at[wg_rows])
 
         def step(_, w_smem, x_smem, acc):
-          plgpu.wgmma(acc, decode(w_smem.at[wg_rows]), x_smem.transpose((1, 0)))
+          # int8 x int8: wgmma reads the weight tile from shared memory as stored
+          lhs = w_smem.at[wg_rows] if a8 and qtype == "int8" else decode(w_smem.at[wg_rows])
+          plgpu.wgmma(acc, lhs, x_smem.transpose((1, 0)))
           plgpu.wgmma_wait(0)  # the slot is released when the step returns
           return acc
 
@@ -426,8 +520,8 @@ def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig) -> jax.Array:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   call = plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((split, n_pad, mp), jnp.float32),
+      body, out_type=jax.ShapeDtypeStruct((split, n_pad, mp), acc_dtype),
       grid=(min(_num_sms(), n_tiles * split),), grid_names=("sm",),
       num_threads=_WGS + 1, thread_name="wg",
-      scratch_types=dict(o_smem=plgpu.SMEM((_WGS, rows, mp), jnp.float32, transforms=o_tr)))
+      scratch_types=dict(o_smem=plgpu.SMEM((_WGS, rows, mp), acc_dtype, transforms=o_tr)))
   return call(w, x)

@@ -188,6 +188,41 @@ def test_mosaic_gpu(qtype, lo, hi, act, m, n, k, cfg):
 
 
 @_needs_mosaic
+@pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
+@pytest.mark.parametrize("m,n,k,cfg", _MOSAIC_SHAPES)
+def test_mosaic_gpu_int8_activations(qtype, lo, hi, m, n, k, cfg):
+  # int8 wgmma, int32 accumulation: exact up to the f32 scaling of the result.
+  rng = np.random.default_rng(m + n + k + 1)
+  v = jnp.asarray(rng.integers(lo, hi, (n, k)), jnp.int8)
+  ws = jnp.asarray(rng.random(n) + 0.5, jnp.float32)
+  xs = jnp.asarray(rng.random(m) + 0.5, jnp.float32)
+  x = jnp.asarray(rng.integers(-128, 128, (m, k)), jnp.int8)
+  w = mm.prepare_mosaic_weight(v, qtype, scale=ws)
+  out = jax.jit(lambda x, w: mm.mosaic_matmul(x, w, x_scale=xs, config=cfg))(x, w)
+  ref = mm.mosaic_matmul_reference(x, v, qtype, w_scale=ws, x_scale=xs)
+  assert out.shape == (m, n)
+  assert _rel(out, ref) < 1e-6
+
+
+@_needs_mosaic
+@pytest.mark.parametrize("qtype", mm.QTYPES)
+def test_dispatch_mosaic_int8_activations_matches_xla(qtype):
+  from qtrain.core import qarray as qa
+  from qtrain.pallas import dispatch
+  x = jax.random.normal(jax.random.key(2), (2, 8, 512), jnp.float32)
+  xq = qa.quantize(x, qa.QuantizeSpec(qtype="int8", channelwise_axes=(0, 1)))
+  w = jax.random.normal(jax.random.key(3), (512, 384), jnp.float32)
+  wq = qa.quantize(w, qa.QuantizeSpec(qtype=qtype, channelwise_axes=(1,)))
+  dn = (((2,), (0,)), ((), ()))
+  a = dispatch.quantized_dot_general(xq, wq, dn, preferred_element_type=jnp.float32,
+                                     implementation="mosaic")
+  b = dispatch.quantized_dot_general(xq, wq, dn, preferred_element_type=jnp.float32,
+                                     implementation="xla")
+  assert a.shape == b.shape == (2, 8, 384)
+  assert _rel(a, b) < 1e-6  # both integer products, scaled in f32
+
+
+@_needs_mosaic
 @pytest.mark.parametrize("qtype", mm.QTYPES)
 def test_dispatch_mosaic_matches_xla(qtype):
   from qtrain.core import qarray as qa

@@ -106,6 +106,70 @@ def test_binary_storage_and_decode_fill_wgmma_fragments(act, one_bits):
   assert sum(got[key] != w[r, c] for key, (r, c) in want.items()) == 0
 
 
+def _a8_kernel_matrix(qtype, stored, cols):
+  """The (64, cols) int8 A matrix the int8-activation kernel multiplies: the
+  stored tile loaded in its upcast layout, decoded by the kernel's Python-int
+  models and placed in wgmma's 8-bit layout (int8: read from shared memory as stored)."""
+  if qtype == "int8":
+    return stored.astype(np.int64)
+  if qtype == "binary":
+    load, per, decode = fa.WGMMA_LAYOUT_UPCAST_2X, 8, mm.binary_int8_bits
+    shape, slot_bits = (64, cols // 8), 8
+  else:
+    load, per, decode = fa.WGMMA_LAYOUT_UPCAST_4X, 2, mm.int4_int8_bits
+    shape, slot_bits = (64, cols), 4
+  words, rows = {}, {}
+  for (thread, reg, slot), (r, c) in fragment_map(load, shape).items():
+    val = int(stored[r, c]) & ((1 << slot_bits) - 1)
+    words[(thread, reg)] = words.get((thread, reg), 0) | val << (slot_bits * slot)
+    rows.setdefault((thread, reg), set()).add(r)
+  eight = fragment_map(fa.WGMMA_LAYOUT_8BIT, (64, cols))
+  nd = len(fa.WGMMA_LAYOUT_8BIT.tiling.tile_shape((64, cols)))
+  a = np.full((64, cols), 999, np.int64)
+  for (thread, reg), word in words.items():
+    for j in range(per):
+      quad = np.array([decode(word, j)], np.uint32).view(np.int8)
+      for v in range(4):
+        r, kc = eight[(thread, mm.wgmma_register(reg, j, per, nd), v)]
+        assert r in rows[(thread, reg)]  # decoding is thread-local: same rows
+        a[r, kc] = quad[v]
+  return a
+
+
+@pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
+def test_int8_activation_decode_and_permutation_give_the_dot(qtype, lo, hi):
+  # The A8 path: every wgmma 8-bit A slot gets factor * w[r, sigma(kc)], and
+  # the activations permuted by sigma make the product exactly w @ x.T.
+  cols = 256
+  rng = np.random.default_rng(11)
+  w = rng.integers(lo, hi, (64, cols))
+  if qtype == "binary":
+    w = np.where(w > 0, 1, -1)
+    stored = np.asarray(ml.pack_binary(w)).view(np.uint8)
+  else:
+    stored = np.asarray(ml.permute_columns(w, qtype))
+  a = _a8_kernel_matrix(qtype, stored, cols)
+  sigma = np.concatenate([c * ml.CHUNK[qtype] + ml.activation_permutation(qtype)
+                          for c in range(cols // ml.CHUNK[qtype])])
+  np.testing.assert_array_equal(a, mm.A8_FACTOR[qtype] * w[:, sigma])
+  x = rng.integers(-128, 128, (16, cols))
+  xp = np.asarray(ml.permute_activations(jnp.asarray(x, jnp.int8), qtype)).astype(np.int64)
+  np.testing.assert_array_equal(a @ xp.T, mm.A8_FACTOR[qtype] * (w @ x.T))
+
+
+def test_int8_activation_check_has_teeth():
+  # Unpermuted activations (or a wrong decode) break the product.
+  cols = 256
+  rng = np.random.default_rng(12)
+  w = np.where(rng.random((64, cols)) > 0.5, 1, -1)
+  a = _a8_kernel_matrix("binary", np.asarray(ml.pack_binary(w)).view(np.uint8), cols)
+  x = rng.integers(-128, 128, (16, cols))
+  assert np.any(a @ x.T != 64 * (w @ x.T))
+  assert mm.binary_int8_bits(0xFFFFFFFF, 0) == 0x40404040  # all bits set: +64 each
+  assert mm.binary_int8_bits(0, 3) == 0xC0C0C0C0  # none set: -64 each
+  assert mm.int4_int8_bits(0x87654321, 0) == 0x70503010 and mm.int4_int8_bits(0x87654321, 1) == 0x80604020
+
+
 def test_pack_binary_round_trip_and_permutations():
   rng = np.random.default_rng(4)
   w = np.where(rng.random((5, 384)) > 0.5, 1, -1).astype(np.int8)
@@ -176,7 +240,7 @@ def test_prepare_and_matmul_errors():
   with pytest.raises(ValueError, match="2-D"):
     mm.prepare_mosaic_weight(v[None], "int8")
   w = mm.prepare_mosaic_weight(v, "int8")
-  with pytest.raises(ValueError, match="float32.*bfloat16 or float16"):
+  with pytest.raises(ValueError, match="float32.*bfloat16, float16 or int8"):
     mm.mosaic_matmul(jnp.ones((4, 512), jnp.float32), w)
   with pytest.raises(ValueError, match="M=129"):
     mm.mosaic_matmul(jnp.ones((129, 512), jnp.bfloat16), w)
@@ -192,6 +256,11 @@ def test_prepare_and_matmul_errors():
   wb = mm.prepare_mosaic_weight(v, "binary")
   with pytest.raises(ValueError, match="binary weights need tile_k >= 256"):
     mm.mosaic_matmul(jnp.ones((4, 512), jnp.bfloat16), wb, config=mm.MosaicConfig(tile_k=128))
+  deep = mm.prepare_mosaic_weight(jnp.ones((8, mm.A8_MAX_K + 1), jnp.int8), "int8")
+  with pytest.raises(ValueError, match=f"K={mm.A8_MAX_K + 1} .*int32 accumulator"):
+    mm.mosaic_matmul(jnp.ones((4, mm.A8_MAX_K + 1), jnp.int8), deep)
+  # int8 activation tiles are half the bytes: a config too big for bf16 fits.
+  assert mm.smem_bytes("int8", 37, big, 1) <= mm.SMEM_BYTES
 
 
 def test_reference_matches_float64():
@@ -231,11 +300,35 @@ def test_plan_mosaic_canonicalises_a_qarray():
   x = jax.random.normal(jax.random.key(0), (2, 3, 256), jnp.bfloat16)
   w = jax.random.normal(jax.random.key(1), (256, 40))
   wq = qa.quantize(w, qa.QuantizeSpec(qtype="int8", channelwise_axes=(1,)))
-  xc, mw, out_shape = dispatch._plan_mosaic(x, wq, (((2,), (0,)), ((), ())))
-  assert xc.shape == (6, 256) and out_shape == (2, 3, 40)
+  xc, xs, mw, out_shape = dispatch._plan_mosaic(x, wq, (((2,), (0,)), ((), ())))
+  assert xc.shape == (6, 256) and out_shape == (2, 3, 40) and xs is None
   assert (mw.n, mw.k, mw.qtype) == (40, 256, "int8")
   ref = mm.mosaic_matmul_reference(xc, wq.qvalue.T, "int8", w_scale=wq.scale.reshape(-1))
   want = jax.lax.dot_general(x.astype(jnp.float32), wq.qvalue.astype(jnp.float32) * wq.scale,
                              (((2,), (0,)), ((), ())), precision="highest")
   assert np.max(np.abs(np.asarray(ref).reshape(out_shape) - want)) <= 1e-5 * math.sqrt(256) * float(
       np.max(np.abs(want)))
+
+
+def test_plan_mosaic_takes_int8_activation_qarrays():
+  # Symmetric integer activations (binary included) reach the kernel as int8
+  # codes with a per-row scale; other quantized activations are refused.
+  x = jax.random.normal(jax.random.key(0), (2, 3, 256))
+  wq = qa.quantize(jax.random.normal(jax.random.key(1), (256, 40)),
+                   qa.QuantizeSpec(qtype="int4", channelwise_axes=(1,)))
+  dn = (((2,), (0,)), ((), ()))
+  for qtype in ("int8", "int4", "binary"):
+    xq = qa.quantize(x, qa.QuantizeSpec(qtype=qtype, channelwise_axes=(0, 1)))
+    xc, xs, mw, out_shape = dispatch._plan_mosaic(xq, wq, dn)
+    assert xc.dtype == jnp.int8 and xc.shape == (6, 256) and xs.shape == (6,)
+    np.testing.assert_array_equal(xc, xq.qvalue.reshape(6, 256))
+    np.testing.assert_array_equal(xs, xq.scale.reshape(6))
+    assert out_shape == (2, 3, 40) and mw.qtype == "int4"
+  mw = mm.prepare_mosaic_weight(jnp.ones((40, 256), jnp.int8), "int8")
+  xq = qa.quantize(x, qa.QuantizeSpec(qtype="int8", channelwise_axes=(0, 1)))
+  xc, xs, _, out_shape = dispatch._plan_mosaic(xq, mw, (((2,), (1,)), ((), ())))
+  assert xc.dtype == jnp.int8 and xs.shape == (6,) and out_shape == (2, 3, 40)
+  with pytest.raises(dispatch._Unsupported, match="float8_e4m3fn activations"):
+    dispatch._plan_mosaic(qa.quantize(x, qa.QuantizeSpec(qtype="float8_e4m3fn")), wq, dn)
+  with pytest.raises(dispatch._Unsupported, match="asymmetric"):
+    dispatch._plan_mosaic(qa.quantize(x, qa.QuantizeSpec(qtype="int8", calibration="minmax")), wq, dn)
