@@ -12,6 +12,12 @@ they finish and the JSON is rewritten after each.
   PYTHONPATH=. python benchmarks/explore_mosaic.py --budget-s 400 --json $OUT/mosaic_cfg.json
   PYTHONPATH=. python benchmarks/explore_mosaic.py --act int8 --budget-s 300 --json $OUT/mosaic_a8.json
 
+``--tiles 128x512`` keeps only those (rows per warpgroup x tile_k) configs.
+``--ablate`` instead times the default config of each kernel at M = 16,
+(K, N) = (8192, 28672) three ways: as shipped, with its decode skipped (int8
+activations: the loaded words go to wgmma as they are) and with empty pipeline
+steps (the TMA stream alone); the differences say where the time goes.
+
 GPU only (Hopper, jax >= 0.11).
 """
 import argparse
@@ -32,7 +38,7 @@ from qtrain.pallas import mosaic_matmul as mm
 def library_configs(qtype: str, m: int, act_bytes: int = 2) -> list:
   """Every (wg_rows, tile_k, steps) of the grid that the kernel accepts at this M."""
   out = []
-  for wg_rows, tks in ((64, (512, 256)), (128, (256,))):
+  for wg_rows, tks in ((64, (512, 256)), (128, (256,) if act_bytes == 2 else (512, 256))):
     for tk in tks:
       for st in (2, 3, 4):
         if qtype == "binary" and tk < 256:
@@ -65,6 +71,8 @@ def run_configs(a: argparse.Namespace) -> None:
         ref = np.asarray(mm.mosaic_matmul_reference(x, v, qtype, x_scale=xs), np.float64)
         base = mm.default_config(w, m, act_dtype=x.dtype)
         for cfg in library_configs(qtype, m, x.dtype.itemsize):
+          if a.tiles and f"{cfg.wg_rows}x{cfg.tile_k}" not in a.tiles.split(","):
+            continue
           if time.time() - t0 > a.budget_s:
             break
           cfg = mm.with_split(w, cfg)
@@ -84,12 +92,45 @@ def run_configs(a: argparse.Namespace) -> None:
             json.dump(rows, open(a.json, "w"), indent=1)
 
 
+def run_ablation(a: argparse.Namespace) -> None:
+  print(jax.__version__, jax.devices()[0].device_kind, "ablation", flush=True)
+  m, k, n = 16, 8192, 28672
+  kx, kw = jax.random.split(jax.random.key(m))
+  xf = jax.random.normal(kx, (m, k), jnp.bfloat16)
+  rows = [dict(m=m, k=k, n=n, kernel="xla bf16",
+               us=_timing.time_in_loop(lambda x, w: x @ w.T, xf,
+                                       jax.random.normal(kw, (n, k), jnp.bfloat16)) * 1e6)]
+  print(rows[-1], flush=True)
+  for act in (jnp.bfloat16, jnp.int8):
+    x = xf if act == jnp.bfloat16 else jnp.clip(jnp.round(xf * 40), -127, 127).astype(jnp.int8)
+    for qtype, lo, hi in (("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)):
+      v = jax.random.randint(kw, (n, k), lo, hi, jnp.int32).astype(jnp.int8)
+      w = mm.prepare_mosaic_weight(v, qtype)
+      cfg = mm.default_config(w, m, act_dtype=act)
+      modes = [None, "stream"]
+      if act == jnp.int8 and qtype != "int8":
+        modes.insert(1, "no_decode")
+      for mode in modes:
+        f = jax.jit(lambda w, x, mode=mode, cfg=cfg, qtype=qtype: mm._kernel(
+            w, x, qtype=qtype, k_pad=k, cfg=cfg, ablate=mode))
+        t = _timing.time_in_loop(f, w.data, x)
+        rows.append(dict(m=m, k=k, n=n, act=jnp.dtype(act).name, qtype=qtype, ablate=str(mode),
+                         config=f"rows{cfg.wg_rows} tk{cfg.tile_k} s{cfg.steps} sk{cfg.split_k}",
+                         us=t * 1e6))
+        print(rows[-1], flush=True)
+        if a.json:
+          json.dump(rows, open(a.json, "w"), indent=1)
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--budget-s", type=float, default=400)
   p.add_argument("--json", default=None)
   p.add_argument("--act", choices=("bf16", "int8"), default="bf16")
-  run_configs(p.parse_args())
+  p.add_argument("--tiles", default="", help="comma-separated ROWSxTILE_K configs to keep")
+  p.add_argument("--ablate", action="store_true")
+  a = p.parse_args()
+  run_ablation(a) if a.ablate else run_configs(a)
 
 
 if __name__ == "__main__":

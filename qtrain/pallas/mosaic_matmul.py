@@ -64,7 +64,7 @@ WG_ROWS = (64, 128)  # weight rows per consumer warpgroup (wgmma M: 1 or 2 instr
 _WGS = 2  # consumer warpgroups per CTA
 N_ALIGN = _WGS * max(WG_ROWS)  # N is padded to this
 TILE_KS = (128, 256, 512)
-_MAX_A_ELEMS = 64 * 512  # decoded A fragment per warpgroup: 128 registers per thread
+_MAX_A_BYTES = 64 * 512 * 2  # decoded A fragment per warpgroup: 128 registers per thread
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,8 +78,9 @@ class MosaicConfig:
     split_k: CTAs sharing one weight tile's K range (a power of two).
     wg_rows: weight rows per consumer warpgroup (64 or 128; a CTA takes
       twice that). More rows share each activation tile (less activation
-      traffic per weight byte); ``wg_rows * tile_k`` <= 32768 bounds the
-      decoded registers.
+      traffic per weight byte). The decoded weights of a step live in
+      registers: with bf16/f16 activations ``wg_rows * tile_k`` <= 32768
+      (:func:`mosaic_matmul` checks it), with int8 ones every config fits.
   """
 
   tile_k: int = 512
@@ -96,9 +97,6 @@ class MosaicConfig:
       raise ValueError(f"split_k={self.split_k} must be a power of two >= 1")
     if self.wg_rows not in WG_ROWS:
       raise ValueError(f"wg_rows={self.wg_rows}; valid: {WG_ROWS}")
-    if self.wg_rows * self.tile_k > _MAX_A_ELEMS:
-      raise ValueError(f"wg_rows={self.wg_rows} x tile_k={self.tile_k} decodes more than "
-                       f"{_MAX_A_ELEMS} weights per warpgroup step (register file); lower one")
 
   @property
   def cta_rows(self) -> int:
@@ -260,6 +258,10 @@ def mosaic_matmul(x: jax.Array, w: MosaicWeight, *, x_scale=None, out_dtype=jnp.
     raise ValueError(f"K={w.k} (padded {w.k_pad}) with int8 activations could overflow the int32 "
                      f"accumulator; the Mosaic kernel takes K <= {A8_MAX_K} there")
   cfg = config or default_config(w, m, act_dtype=x.dtype)
+  if cfg.wg_rows * cfg.tile_k * x.dtype.itemsize > _MAX_A_BYTES:
+    raise ValueError(f"wg_rows={cfg.wg_rows} x tile_k={cfg.tile_k} decodes more than "
+                     f"{_MAX_A_BYTES // x.dtype.itemsize} {x.dtype} weights per warpgroup step "
+                     f"(register file); lower one")
   if w.qtype == "binary" and cfg.tile_k < 256:
     raise ValueError(f"tile_k={cfg.tile_k}: binary weights need tile_k >= 256 (rows of at least "
                      f"32 bytes of packed bits per step)")
@@ -422,9 +424,14 @@ def _relabel(y, rows: int, tile_k: int, per: int):
   return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
 
-def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig) -> jax.Array:
+def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: str | None = None) -> jax.Array:
   """(Np, Kw) weights x (Mp, Kp) activations -> (split_k, Np, Mp) partial sums
-  (f32; int32 for int8 activations)."""
+  (f32; int32 for int8 activations).
+
+  ``ablate`` (measurement only, wrong results; benchmarks/explore_mosaic.py):
+  "stream" leaves each pipeline step empty (the TMA pipeline alone);
+  "no_decode" (int8 activations) feeds the loaded words to wgmma undecoded.
+  """
   from jax._src.lib.mlir import ir
   from jax.experimental import pallas as pl
   from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -464,6 +471,9 @@ def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig) -> jax.Array:
   def decode(ctx, ref):
     del ctx
     q = mgpu.FragmentedArray.load_tiled(ref, swizzle=w_swizzle, is_signed=True, layout=load_layout)
+    if a8 and ablate == "no_decode":
+      per = 8 if qtype == "binary" else 2
+      return _int8_fragment(q, rows, tile_k, per, lambda word, j: word)
     if a8:
       return (_decode_binary_a8 if qtype == "binary" else _decode_int4_a8)(q, rows, tile_k)
     if qtype == "binary":
@@ -509,6 +519,8 @@ def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig) -> jax.Array:
             plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[s_idx].at[tile_rows].at[wg_rows])
 
         def step(_, w_smem, x_smem, acc):
+          if ablate == "stream":
+            return acc
           # int8 x int8: wgmma reads the weight tile from shared memory as stored
           lhs = w_smem.at[wg_rows] if a8 and qtype == "int8" else decode(w_smem.at[wg_rows])
           plgpu.wgmma(acc, lhs, x_smem.transpose((1, 0)))
