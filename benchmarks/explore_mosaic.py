@@ -111,9 +111,10 @@ def run_ablation(a: argparse.Namespace) -> None:
       if act == jnp.int8 and qtype != "int8":
         modes.insert(1, "no_decode")
       for mode in modes:
-        f = jax.jit(lambda w, x, mode=mode, cfg=cfg, qtype=qtype: mm._kernel(
+        # x first: time_in_loop perturbs its first argument every call
+        f = jax.jit(lambda x, w, mode=mode, cfg=cfg, qtype=qtype: mm._kernel(
             w, x, qtype=qtype, k_pad=k, cfg=cfg, ablate=mode))
-        t = _timing.time_in_loop(f, w.data, x)
+        t = _timing.time_in_loop(f, x, w.data)
         rows.append(dict(m=m, k=k, n=n, act=jnp.dtype(act).name, qtype=qtype, ablate=str(mode),
                          config=f"rows{cfg.wg_rows} tk{cfg.tile_k} s{cfg.steps} sk{cfg.split_k}",
                          us=t * 1e6))

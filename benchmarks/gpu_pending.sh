@@ -11,6 +11,7 @@
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 7   # fp8 step through XLA's fp8 dot
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 8   # Mosaic int8 activations: tests, table, grid
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 9   # Mosaic ablations, 128x512 int8-activation tiles, GPU suite
+#   OUT=/tmp/out bash benchmarks/gpu_pending.sh 10  # Mosaic ablations (fixed), A8 kernel table at 4096^2
 #
 # Needs qwix as a wheel in .whl/ for the qwix rows (see benchmarks/RESULTS.md).
 set -u
@@ -48,6 +49,12 @@ elif [ "$PART" = 9 ]; then
 timeout 150 python3 benchmarks/explore_mosaic.py --ablate --json "$OUT/mosaic_ablate.json" 2>&1 | grep -v Warn | tee "$OUT/mosaic_ablate.log" | tail -20
 timeout 100 python3 benchmarks/explore_mosaic.py --act int8 --tiles 128x512,128x256 --budget-s 80 --json "$OUT/mosaic_a8_512.json" 2>&1 | grep -v Warn | tee "$OUT/mosaic_a8_512.log" | tail -20
 timeout 300 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider tests 2>&1 | grep -v Warn | tail -25 | tee "$OUT/gpu_tests.log"
+elif [ "$PART" = 10 ]; then
+# The ablations (fixed: x perturbed, not the weights), the A8 rows at 4096^2 beside Triton and XLA.
+timeout 150 python3 benchmarks/explore_mosaic.py --ablate --json "$OUT/mosaic_ablate.json" 2>&1 | grep -v Warn | tee "$OUT/mosaic_ablate.log" | tail -20
+timeout 200 python3 benchmarks/kernels.py --ms 1,16,64 --shapes 4096x4096 --budget-s 180 --check \
+  --kernels "binary W1A8,int8 x int8,mosaic W1A16,mosaic W1A8,mosaic W4A16,mosaic W4A8,mosaic W8A16,mosaic W8A8" \
+  --json "$OUT/kernels_a8_4096.json" 2>&1 | grep -v Warn | tee "$OUT/kernels_a8_4096.log" | tail -30
 elif [ "$PART" = 7 ]; then
 timeout 330 python3 benchmarks/train_step.py --widths 4096 --tokens 8192 --steps 10 --repeats 3 \
   --configs bf16,qtrain_fp8_nosr_xla,qwix_fp8 --json "$OUT/step_fp8_xla.json" 2>&1 | grep -v Warning | tee "$OUT/step_fp8_xla.log" | tail -9
