@@ -43,10 +43,9 @@ def library_configs(qtype: str, m: int, act_bytes: int = 2) -> list:
       for st in (2, 3, 4):
         if qtype == "binary" and tk < 256:
           continue
-        for il in ((False, True) if wg_rows == 128 else (False,)):
-          cfg = mm.MosaicConfig(tile_k=tk, steps=st, wg_rows=wg_rows, interleave=il)
-          if mm.smem_bytes(qtype, m, cfg, act_bytes) <= mm.SMEM_BYTES:
-            out.append(cfg)
+        cfg = mm.MosaicConfig(tile_k=tk, steps=st, wg_rows=wg_rows)
+        if mm.smem_bytes(qtype, m, cfg, act_bytes) <= mm.SMEM_BYTES:
+          out.append(cfg)
   return out
 
 
@@ -78,8 +77,7 @@ def run_configs(a: argparse.Namespace) -> None:
             break
           cfg = mm.with_split(w, cfg)
           f = jax.jit(lambda x, w, cfg=cfg: mm.mosaic_matmul(x, w, x_scale=xs, config=cfg))
-          name = (f"{qtype}{' A8' if a8 else ''} rows{cfg.wg_rows}{' il' if cfg.interleave else ''} "
-                  f"tk{cfg.tile_k} s{cfg.steps} sk{cfg.split_k}")
+          name = f"{qtype}{' A8' if a8 else ''} rows{cfg.wg_rows} tk{cfg.tile_k} s{cfg.steps} sk{cfg.split_k}"
           try:
             out = np.asarray(f(x, w), np.float64)
             err = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))

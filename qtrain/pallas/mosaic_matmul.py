@@ -81,16 +81,12 @@ class MosaicConfig:
       traffic per weight byte). The decoded weights of a step live in
       registers: with bf16/f16 activations ``wg_rows * tile_k`` <= 32768
       (:func:`mosaic_matmul` checks it), with int8 ones every config fits.
-    interleave: decode and issue the wgmma per 64-row part of a warpgroup's
-      rows (with ``wg_rows=128``), so the second part's shared-memory loads
-      and decode overlap the first part's asynchronous wgmma.
   """
 
   tile_k: int = 512
   steps: int = 3
   split_k: int = 1
   wg_rows: int = 64
-  interleave: bool = False
 
   def __post_init__(self):
     if self.tile_k not in TILE_KS:
@@ -101,9 +97,6 @@ class MosaicConfig:
       raise ValueError(f"split_k={self.split_k} must be a power of two >= 1")
     if self.wg_rows not in WG_ROWS:
       raise ValueError(f"wg_rows={self.wg_rows}; valid: {WG_ROWS}")
-    if self.interleave and self.wg_rows != 128:
-      raise ValueError(f"interleave=True splits 128 rows per warpgroup into two 64-row parts; "
-                       f"wg_rows={self.wg_rows} is one part already")
 
   @property
   def cta_rows(self) -> int:
@@ -471,25 +464,21 @@ def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: str | No
   w_swizzle = w_tr[1].swizzle
   load_layout = fa.WGMMA_LAYOUT_UPCAST_4X if qtype == "int4" else fa.WGMMA_LAYOUT_UPCAST_2X
 
-  # Rows decoded per wgmma: with ``interleave``, 64-row parts, so the next
-  # part's loads and decode overlap the previous part's asynchronous wgmma.
-  part = 64 if cfg.interleave else rows
-
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(w_tr),),
                      return_type=plgpu.ShapeDtypeStruct(
-                         (part, tile_k), act,
+                         (rows, tile_k), act,
                          layout=plgpu.Layout.WGMMA_8BIT if a8 else plgpu.Layout.WGMMA))
   def decode(ctx, ref):
     del ctx
     q = mgpu.FragmentedArray.load_tiled(ref, swizzle=w_swizzle, is_signed=True, layout=load_layout)
     if a8 and ablate == "no_decode":
       per = 8 if qtype == "binary" else 2
-      return _int8_fragment(q, part, tile_k, per, lambda word, j: word)
+      return _int8_fragment(q, rows, tile_k, per, lambda word, j: word)
     if a8:
-      return (_decode_binary_a8 if qtype == "binary" else _decode_int4_a8)(q, part, tile_k)
+      return (_decode_binary_a8 if qtype == "binary" else _decode_int4_a8)(q, rows, tile_k)
     if qtype == "binary":
-      return _decode_binary(q, part, tile_k, float_type(), one_bits)
-    return _relabel(q.astype(float_type()), part, tile_k, per=4 if qtype == "int4" else 2)
+      return _decode_binary(q, rows, tile_k, float_type(), one_bits)
+    return _relabel(q.astype(float_type()), rows, tile_k, per=4 if qtype == "int4" else 2)
 
   def body(w_gmem, x_gmem, o_gmem, o_smem):
     def pipeline(step, context):
@@ -532,12 +521,9 @@ def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: str | No
         def step(_, w_smem, x_smem, acc):
           if ablate == "stream":
             return acc
-          for h in range(rows // part):
-            w_part = w_smem.at[pl.ds(wg * rows + h * part, part)]
-            # int8 x int8: wgmma reads the weight tile from shared memory as stored
-            lhs = w_part if a8 and qtype == "int8" else decode(w_part)
-            plgpu.wgmma(acc if part == rows else acc.at[pl.ds(h * part, part)], lhs,
-                        x_smem.transpose((1, 0)))
+          # int8 x int8: wgmma reads the weight tile from shared memory as stored
+          lhs = w_smem.at[wg_rows] if a8 and qtype == "int8" else decode(w_smem.at[wg_rows])
+          plgpu.wgmma(acc, lhs, x_smem.transpose((1, 0)))
           plgpu.wgmma_wait(0)  # the slot is released when the step returns
           return acc
 

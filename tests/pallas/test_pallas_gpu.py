@@ -167,7 +167,6 @@ _MOSAIC_SHAPES = [
     (64, 1024, 1536, mm.MosaicConfig(tile_k=256, steps=2, split_k=2)),
     (128, 256, 512, None),
     (16, 1000, 2048, mm.MosaicConfig(tile_k=256, steps=2, wg_rows=128)),  # 128 rows per warpgroup
-    (40, 700, 1536, mm.MosaicConfig(tile_k=256, steps=3, wg_rows=128, interleave=True)),
 ]
 
 

@@ -193,7 +193,6 @@ def test_layout_errors_name_the_bad_value():
     (dict(steps=1), "steps=1"),
     (dict(split_k=3), "split_k=3"),
     (dict(wg_rows=96), "wg_rows=96"),
-    (dict(interleave=True), "wg_rows=64 is one part already"),
 ])
 def test_config_validation(kw, match):
   with pytest.raises(ValueError, match=match):
