@@ -202,10 +202,12 @@ def test_config_validation(kw, match):
 @pytest.mark.parametrize("qtype", mm.QTYPES)
 @pytest.mark.parametrize("n,k", [(28672, 8192), (4096, 4096), (300, 1000)])
 @pytest.mark.parametrize("m", [1, 16, 64, 128])
-def test_default_config_fits_and_tiles(qtype, n, k, m):
+@pytest.mark.parametrize("act", [jnp.bfloat16, jnp.int8])
+def test_default_config_fits_and_tiles(qtype, n, k, m, act):
   w = jax.eval_shape(lambda v: mm.prepare_mosaic_weight(v, qtype), jax.ShapeDtypeStruct((n, k), jnp.int8))
-  cfg = mm.default_config(w, m, num_sms=132)
-  assert mm.smem_bytes(qtype, m, cfg) <= mm.SMEM_BYTES
+  cfg = mm.default_config(w, m, num_sms=132, act_dtype=act)
+  assert mm.smem_bytes(qtype, m, cfg, jnp.dtype(act).itemsize) <= mm.SMEM_BYTES
+  assert cfg.wg_rows * cfg.tile_k * jnp.dtype(act).itemsize <= 65536  # decoded registers
   assert qtype != "binary" or cfg.tile_k >= 256
   # Large N (more 64-row tiles than SMs) takes 128 rows per warpgroup where it fits.
   assert cfg.wg_rows == 64 or n == 28672
