@@ -32,7 +32,9 @@ vary along K and per-element contracting scales are not handled by a kernel.
     activations of <= 8 bits (int8 wgmma), M <= 128, x binary/int4/int8
     weights with per-channel scales, as a QArray or a
     :class:`~qtrain.pallas.mosaic_matmul.MosaicWeight`; ValueError elsewhere.
-    Not chosen by "auto": measured against Triton in benchmarks/RESULTS.md.
+    "auto" runs a MosaicWeight rhs here where it can (a CUDA lowering, jax >=
+    0.11, a dot the kernel takes; else XLA on the stored codes), but does not
+    choose Mosaic for QArray weights (that would repack them every call).
   "interpret": the Triton kernel in the Pallas interpreter (CPU tests).
 Forcing a kernel on an unsupported config raises ValueError (never a silent
 fallback, never silently wrong numbers).
@@ -281,6 +283,32 @@ def _run_mosaic(lhs, rhs, dimension_numbers, out_dtype) -> jax.Array:
   return _mosaic.mosaic_matmul(x, w, x_scale=x_scale, out_dtype=out_dtype).reshape(out_shape)
 
 
+def _mosaic_weight_qarray(w):
+  """The QArray a MosaicWeight was prepared from ((N, K) codes, (N, 1) scale)."""
+  from qtrain.core import qarray, qtypes  # lazy: qtrain.core imports this module
+  scale = jnp.ones((w.n, 1), jnp.float32) if w.w_scale is None else w.w_scale[:, None]
+  return qarray.QArray(qvalue=_mosaic.mosaic_weight_values(w), scale=scale, zero_point=None,
+                       qtype=qtypes.get_qtype(w.qtype))
+
+
+def _auto_mosaic(lhs, w, dimension_numbers, out_dtype) -> jax.Array:
+  """"auto" with a MosaicWeight: the Mosaic kernel where it runs (a CUDA
+  lowering, jax >= 0.11, a dot it takes), elsewhere XLA on the stored codes."""
+  from qtrain.core import qdot  # lazy: qtrain.core imports this module
+  _check_last_axis_dims(lhs, dimension_numbers, "MosaicWeight")
+  xla = lambda: qdot.dot_general_quantized_xla(lhs, _mosaic_weight_qarray(w), dimension_numbers,
+                                               preferred_element_type=out_dtype)
+  if jax.__version_info__ < (0, 11):
+    return xla()
+  try:
+    x, x_scale, w, out_shape = _plan_mosaic(lhs, w, dimension_numbers)
+    cfg = _mosaic.checked_config(x, w)
+  except (_Unsupported, ValueError):
+    return xla()
+  kernel = lambda: _mosaic._matmul(x, w, x_scale, out_dtype, cfg).reshape(out_shape)
+  return jax.lax.platform_dependent(cuda=kernel, default=xla)
+
+
 def _run(plan: _Plan, out_dtype, interpret: bool) -> jax.Array:
   kw = dict(x_scale=plan.lhs_scale, out_dtype=out_dtype, interpret=interpret)
   if plan.kernel == "binary":
@@ -313,8 +341,8 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, *, preferred_element_type
   Args:
     lhs: a ``QArray`` or a float array (activations).
     rhs: a ``QArray`` or a float array (weights), a
-      :class:`~qtrain.pallas.prepared.PreparedWeight`, or (with "mosaic") a
-      :class:`~qtrain.pallas.mosaic_matmul.MosaicWeight`.
+      :class:`~qtrain.pallas.prepared.PreparedWeight`, or (with "mosaic" or
+      "auto") a :class:`~qtrain.pallas.mosaic_matmul.MosaicWeight`.
     dimension_numbers: as for :func:`jax.lax.dot_general`.
     preferred_element_type: the float output dtype (None: float32).
     implementation: one of :data:`IMPLEMENTATIONS`.
@@ -333,8 +361,10 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, *, preferred_element_type
   if implementation == "mosaic":
     return _run_mosaic(lhs, rhs, dimension_numbers, out_dtype)
   if isinstance(rhs, _mosaic.MosaicWeight):
-    raise ValueError(f"a MosaicWeight rhs runs only with implementation='mosaic'; got "
-                     f"{implementation=}")
+    if implementation != "auto":
+      raise ValueError(f"a MosaicWeight rhs runs with implementation='mosaic' or 'auto'; got "
+                       f"{implementation=}")
+    return _auto_mosaic(lhs, rhs, dimension_numbers, out_dtype)
   prepared_rhs = isinstance(rhs, PreparedWeight)
 
   def xla():

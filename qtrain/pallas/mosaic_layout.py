@@ -116,6 +116,12 @@ def permute_columns(values, qtype: str):
   return jnp.take(jnp.asarray(values), jnp.asarray(_chunk_index(qtype, values.shape[-1])), axis=-1)
 
 
+def unpermute_columns(stored, qtype: str):
+  """Inverse of :func:`permute_columns`: (N, K) stored -> logical column order."""
+  inverse = np.argsort(_chunk_index(qtype, stored.shape[-1]))
+  return jnp.take(jnp.asarray(stored), jnp.asarray(inverse), axis=-1)
+
+
 def pack_binary(values) -> jnp.ndarray:
   """(N, K) binary values (> 0 means +1) -> (N, K // 8) int8 bytes in storage order.
 

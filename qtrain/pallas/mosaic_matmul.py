@@ -171,6 +171,16 @@ def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None) -> Mosai
   return MosaicWeight(data=data, w_scale=w_scale, qtype=qtype, n=n, k=k)
 
 
+def mosaic_weight_values(w: MosaicWeight) -> jax.Array:
+  """The (N, K) int8 codes a :class:`MosaicWeight` holds (its storage order undone;
+  binary as +-1): what :func:`prepare_mosaic_weight` was given, for XLA paths."""
+  if w.qtype == "binary":
+    values = mosaic_layout.unpack_binary(w.data, w.k_pad)
+  else:
+    values = mosaic_layout.unpermute_columns(w.data.astype(jnp.int8), w.qtype)
+  return values[:w.n, :w.k]
+
+
 SMEM_BYTES = 232448 - 1024  # Hopper's per-block shared memory, less barriers
 
 
@@ -244,6 +254,20 @@ def mosaic_matmul(x: jax.Array, w: MosaicWeight, *, x_scale=None, out_dtype=jnp.
   Returns:
     (M, N) ``out_dtype`` (f32 accumulation; int32 for int8 activations, exact).
   """
+  cfg = checked_config(x, w, config)
+  if not _common.on_gpu():
+    raise ValueError(f"the Mosaic kernel runs on a GPU; this backend is {jax.default_backend()!r} "
+                     f"(use implementation='interpret' or 'xla' on the CPU)")
+  if jax.__version_info__ < (0, 11):
+    raise ValueError(f"the Mosaic kernel needs jax >= 0.11 (Pallas Mosaic GPU); this is "
+                     f"jax {jax.__version__}: use implementation='triton'")
+  return _matmul(x, w, x_scale, out_dtype, cfg)
+
+
+def checked_config(x: jax.Array, w: MosaicWeight, config: MosaicConfig | None = None) -> MosaicConfig:
+  """The config :func:`mosaic_matmul` would run ``x`` with (``config`` or the
+  default); ValueError naming the problem where the kernel cannot take the call
+  (whatever the backend)."""
   if x.ndim != 2 or x.shape[1] != w.k:
     raise ValueError(f"x has shape {x.shape}; expected (M, {w.k})")
   if x.dtype not in ACT_DTYPES:
@@ -271,12 +295,14 @@ def mosaic_matmul(x: jax.Array, w: MosaicWeight, *, x_scale=None, out_dtype=jnp.
                      f"(limit {SMEM_BYTES}); use fewer steps or a smaller tile_k")
   if w.k_pad % (cfg.tile_k * cfg.split_k):
     raise ValueError(f"{cfg} does not tile K={w.k_pad} (padded): tile_k * split_k must divide it")
-  if not _common.on_gpu():
-    raise ValueError(f"the Mosaic kernel runs on a GPU; this backend is {jax.default_backend()!r} "
-                     f"(use implementation='interpret' or 'xla' on the CPU)")
-  if jax.__version_info__ < (0, 11):
-    raise ValueError(f"the Mosaic kernel needs jax >= 0.11 (Pallas Mosaic GPU); this is "
-                     f"jax {jax.__version__}: use implementation='triton'")
+  return cfg
+
+
+def _matmul(x, w: MosaicWeight, x_scale, out_dtype, cfg: MosaicConfig) -> jax.Array:
+  """:func:`mosaic_matmul` after its checks (traceable off a GPU, e.g. as the
+  CUDA branch of ``lax.platform_dependent``)."""
+  m = x.shape[0]
+  a8 = x.dtype == jnp.int8
   mp = _common.round_up(m, 16)
   xp = jnp.pad(x, ((0, mp - m), (0, w.k_pad - w.k)))
   if a8:

@@ -206,6 +206,24 @@ def test_mosaic_gpu_int8_activations(qtype, lo, hi, m, n, k, cfg):
 
 @_needs_mosaic
 @pytest.mark.parametrize("qtype", mm.QTYPES)
+def test_auto_runs_a_mosaic_weight_on_the_kernel(qtype):
+  # On the GPU "auto" runs a MosaicWeight through the Mosaic kernel: bit for bit
+  # the forced kernel's output (XLA's bf16 path rounds the dequantized weights
+  # to bf16, so its numbers differ in the last bits).
+  from qtrain.pallas import dispatch
+  rng = np.random.default_rng(21)
+  v = jnp.asarray(rng.integers(-8, 8, (384, 1024)), jnp.int8)
+  w = mm.prepare_mosaic_weight(v if qtype != "binary" else jnp.where(v > 0, 1, -1), qtype,
+                               scale=jnp.asarray(rng.random(384) + 0.5, jnp.float32))
+  x = jnp.asarray(rng.standard_normal((3, 8, 1024)), jnp.bfloat16)
+  dn = (((2,), (1,)), ((), ()))
+  run = lambda impl: jax.jit(lambda x, w: dispatch.quantized_dot_general(
+      x, w, dn, preferred_element_type=jnp.float32, implementation=impl))(x, w)
+  np.testing.assert_array_equal(np.asarray(run("auto")), np.asarray(run("mosaic")))
+
+
+@_needs_mosaic
+@pytest.mark.parametrize("qtype", mm.QTYPES)
 def test_dispatch_mosaic_int8_activations_matches_xla(qtype):
   from qtrain.core import qarray as qa
   from qtrain.pallas import dispatch

@@ -295,7 +295,7 @@ def test_dispatch_mosaic_off_gpu_and_unsupported():
   with pytest.raises(dispatch._Unsupported, match="float32"):
     dispatch._plan_mosaic(x.astype(jnp.float32), wq, dn)
   mw = mm.prepare_mosaic_weight(jnp.ones((64, 256), jnp.int8), "int8")
-  with pytest.raises(ValueError, match="MosaicWeight rhs runs only with implementation='mosaic'"):
+  with pytest.raises(ValueError, match="MosaicWeight rhs runs with implementation='mosaic' or 'auto'"):
     dispatch.quantized_dot_general(x, mw, (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32, implementation="triton")
 
@@ -336,3 +336,39 @@ def test_plan_mosaic_takes_int8_activation_qarrays():
     dispatch._plan_mosaic(qa.quantize(x, qa.QuantizeSpec(qtype="float8_e4m3fn")), wq, dn)
   with pytest.raises(dispatch._Unsupported, match="asymmetric"):
     dispatch._plan_mosaic(qa.quantize(x, qa.QuantizeSpec(qtype="int8", calibration="minmax")), wq, dn)
+
+
+@pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
+def test_mosaic_weight_values_undo_the_storage_order(qtype, lo, hi):
+  v = np.random.default_rng(13).integers(lo, hi, (300, 1000)).astype(np.int8)
+  if qtype == "binary":
+    v = np.where(v > 0, 1, -1).astype(np.int8)
+  w = mm.prepare_mosaic_weight(jnp.asarray(v), qtype, scale=jnp.linspace(0.5, 1.5, 300))
+  back = mm.mosaic_weight_values(w)
+  assert back.shape == (300, 1000) and back.dtype == jnp.int8
+  np.testing.assert_array_equal(back, v)
+
+
+@pytest.mark.parametrize("qtype", mm.QTYPES)
+@pytest.mark.parametrize("act", ["bfloat16", "int8"])
+def test_auto_runs_a_mosaic_weight_anywhere(qtype, act):
+  # "auto" with a MosaicWeight: the kernel on a CUDA lowering (GPU tests),
+  # XLA on the stored codes elsewhere: the same numbers as the QArray it came from.
+  k, n = 512, 200
+  wq = qa.quantize(jax.random.normal(jax.random.key(3), (n, k)),
+                   qa.QuantizeSpec(qtype=qtype, channelwise_axes=(0,)))
+  mw = mm.prepare_mosaic_weight(wq.qvalue, qtype, scale=wq.scale)
+  x = jax.random.normal(jax.random.key(4), (2, 5, k))
+  lhs = (x.astype(jnp.bfloat16) if act == "bfloat16"
+         else qa.quantize(x, qa.QuantizeSpec(qtype="int8", channelwise_axes=(0, 1))))
+  dn = (((2,), (1,)), ((), ()))
+  got = jax.jit(lambda l, w: dispatch.quantized_dot_general(
+      l, w, dn, preferred_element_type=jnp.float32, implementation="auto"))(lhs, mw)
+  want = dispatch.quantized_dot_general(lhs, wq, dn, preferred_element_type=jnp.float32,
+                                        implementation="xla")
+  assert got.shape == want.shape == (2, 5, n)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                             atol=1e-5 * float(np.max(np.abs(want))))
+  with pytest.raises(ValueError, match="must contract lhs's last axis"):
+    dispatch.quantized_dot_general(lhs, mw, (((2,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32, implementation="auto")
