@@ -56,8 +56,9 @@ QTYPES = ("binary", "int4", "int8")
 ACT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.int8)
 # int8 activations: the decoded weight is this multiple of its value (divided out with the scales)
 A8_FACTOR = {"binary": 64, "int4": 16, "int8": 1}
-# int8 activations accumulate in int32: |w code * factor| * 128 * K_pad must stay below 2**31
-A8_MAX_K = 2**31 // (128 * 128)
+# int8 activations accumulate in int32: |w code * factor| <= 128 and |x| <= 128, so K_pad
+# products of at most 2**14 each stay within int32
+A8_MAX_K = (2**31 - 1) // (128 * 128)
 MAX_M = 128  # the activation rows are wgmma's N side (<= 256); decode sizes only
 K_ALIGN = 512  # K is padded to this at preparation (a multiple of every tile_k / chunk)
 WG_ROWS = (64, 128)  # weight rows per consumer warpgroup (wgmma M: 1 or 2 instructions)
