@@ -371,21 +371,37 @@ def int4_int8_bits(word: int, j: int) -> int:
   return ((word << 4) & 0xF0F0F0F0) if j == 0 else (word & 0xF0F0F0F0)
 
 
+def _wgmma_fragment(q, rows: int, tile_k: int, per: int, part, *, words: bool = False,
+                    eight_bit: bool = False):
+  """Upcast-layout fragment ``q`` -> a fragment in wgmma's A layout (16-bit, or
+  the 8-bit one), thread-locally: register ``j`` (of ``per``) taken from each
+  upcast register ``reg`` is ``part(reg, j)`` (``part(word, j)`` on ``reg``
+  bitcast to one 32-bit word, with ``words``); the storage order of
+  :mod:`qtrain.pallas.mosaic_layout` makes the columns match."""
+  from jax._src.lib.mlir import ir
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+  layout = fa.WGMMA_LAYOUT_8BIT if eight_bit else fa.WGMMA_LAYOUT
+  i32 = ir.IntegerType.get_signless(32)
+  out = np.empty(layout.registers_shape((rows, tile_k)), dtype=object)
+  for idx, reg in np.ndenumerate(q.registers):
+    src = mgpu.utils.bitcast(reg, i32) if words else reg
+    for j in range(per):
+      out[wgmma_register(idx, j, per, out.ndim)] = part(src, j)
+  return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=True if eight_bit else None)
+
+
 def _int8_fragment(q, rows: int, tile_k: int, per: int, decode_word):
   """Upcast-layout fragment -> an int8 fragment in wgmma's 8-bit A layout:
   ``decode_word(word, j)`` gives the 32-bit register of part ``j`` of ``per``."""
   from jax._src.lib.mlir import ir
   from jax.experimental.mosaic import gpu as mgpu
-  from jax.experimental.mosaic.gpu import fragmented_array as fa
 
-  i32 = ir.IntegerType.get_signless(32)
   quad = ir.VectorType.get((4,), ir.IntegerType.get_signless(8))
-  out = np.empty(fa.WGMMA_LAYOUT_8BIT.registers_shape((rows, tile_k)), dtype=object)
-  for idx, reg in np.ndenumerate(q.registers):
-    word = mgpu.utils.bitcast(reg, i32)
-    for j in range(per):
-      out[wgmma_register(idx, j, per, out.ndim)] = mgpu.utils.bitcast(decode_word(word, j), quad)
-  return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=True)
+  return _wgmma_fragment(q, rows, tile_k, per,
+                         lambda word, j: mgpu.utils.bitcast(decode_word(word, j), quad),
+                         words=True, eight_bit=True)
 
 
 def _decode_binary_a8(q, rows: int, tile_k: int):
@@ -422,33 +438,26 @@ def _decode_binary(q, rows: int, tile_k: int, float_type, one_bits: int):
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith
   from jax.experimental.mosaic import gpu as mgpu
-  from jax.experimental.mosaic.gpu import fragmented_array as fa
 
   i32 = ir.IntegerType.get_signless(32)
   pair = ir.VectorType.get((2,), float_type)
   sign = mgpu.utils.c(_i32(0x80008000), i32)
   minus_ones = mgpu.utils.c(_i32(one_bits | 0x8000 | (one_bits | 0x8000) << 16), i32)
-  out = np.empty(fa.WGMMA_LAYOUT.registers_shape((rows, tile_k)), dtype=object)
-  for idx, reg in np.ndenumerate(q.registers):
-    word = mgpu.utils.bitcast(reg, i32)
-    for j in range(16):
-      s = word if j == 15 else arith.shli(word, mgpu.utils.c(15 - j, i32))
-      v = arith.xori(arith.andi(s, sign), minus_ones)  # bit set -> sign cleared -> +1
-      out[wgmma_register(idx, j, 16, out.ndim)] = mgpu.utils.bitcast(v, pair)
-  return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  def word_to_pair(word, j):
+    s = word if j == 15 else arith.shli(word, mgpu.utils.c(15 - j, i32))
+    v = arith.xori(arith.andi(s, sign), minus_ones)  # bit set -> sign cleared -> +1
+    return mgpu.utils.bitcast(v, pair)
+
+  return _wgmma_fragment(q, rows, tile_k, 16, word_to_pair, words=True)
 
 
 def _relabel(y, rows: int, tile_k: int, per: int):
   """Upcast-layout fragment of a permuted tile -> the same registers in wgmma A layout."""
   from jax.experimental.mosaic import gpu as mgpu
-  from jax.experimental.mosaic.gpu import fragmented_array as fa
 
-  out = np.empty(fa.WGMMA_LAYOUT.registers_shape((rows, tile_k)), dtype=object)
-  for idx, reg in np.ndenumerate(y.registers):
-    for j in range(per):
-      out[wgmma_register(idx, j, per, out.ndim)] = mgpu.utils.vector_slice(
-          reg, slice(2 * j, 2 * j + 2))
-  return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+  return _wgmma_fragment(y, rows, tile_k, per,
+                         lambda reg, j: mgpu.utils.vector_slice(reg, slice(2 * j, 2 * j + 2)))
 
 
 def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: str | None = None) -> jax.Array:
