@@ -369,8 +369,8 @@ def _matmul_pallas(xq, layer: FrozenLayer, out_dtype, interpret: bool):
 
 
 def _matmul_mosaic(xq, layer: FrozenLayer, out_dtype):
-  """(M, K) float input x frozen weight through the Mosaic GPU kernel (dispatch says
-  why a layer cannot run there)."""
+  """(M, K) input (bf16/f16, or an integer QArray) x frozen weight through the Mosaic
+  GPU kernel (dispatch says why a layer cannot run there)."""
   from qtrain.pallas import dispatch
   return dispatch.quantized_dot_general(xq, _weight_qarray(layer), (((1,), (1,)), ((), ())),
                                         preferred_element_type=out_dtype,

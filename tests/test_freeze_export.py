@@ -136,6 +136,11 @@ def _frozen_dense(lq, k=512, n=96, seed=0):
   return freeze.freeze_layer(params, lq), x
 
 
+_needs_mosaic_gpu = pytest.mark.skipif(
+    jax.default_backend() != "gpu" or jax.__version_info__ < (0, 11),
+    reason="needs a GPU and jax >= 0.11 (Pallas Mosaic GPU)")
+
+
 def test_mosaic_implementation_says_what_it_cannot_run():
   fl, x = _frozen_dense(binary.bitorch())  # binary activations: the int8-activation path
   if jax.default_backend() != "gpu":
@@ -156,8 +161,7 @@ def test_mosaic_implementation_says_what_it_cannot_run():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu" or jax.__version_info__ < (0, 11),
-                    reason="needs a GPU and jax >= 0.11 (Pallas Mosaic GPU)")
+@_needs_mosaic_gpu
 @pytest.mark.parametrize("bits", [4, 8])
 def test_mosaic_frozen_layer_matches_xla_gpu(bits):
   lq = binary.mpq(bits=bits, group_size=None, asymmetric=False)
@@ -174,8 +178,7 @@ def test_mosaic_frozen_layer_matches_xla_gpu(bits):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu" or jax.__version_info__ < (0, 11),
-                    reason="needs a GPU and jax >= 0.11 (Pallas Mosaic GPU)")
+@_needs_mosaic_gpu
 def test_mosaic_frozen_binary_layer_matches_xla_gpu():
   # Binary activations x binary weights through the int8-activation kernel:
   # integer products, exact like the XLA path's int8 dot.
