@@ -18,19 +18,9 @@ they finish and the JSON is rewritten after each.
 activations: the loaded words go to wgmma as they are) and with empty pipeline
 steps (the TMA stream alone); the differences say where the time goes.
 
-``--stream-k`` times each kernel's default config against the same config
-with ``stream_k=True`` (the (tile, K step) work spread evenly over the SMs,
-partial tiles added by TMA reduce-add), int8 and bf16 activations, M = 16, 1,
-64 on (8192, 28672) and M = 16 on (4096, 4096), each checked against the
-reference and run twice (``repeatable``: the same bits); float activations
-only where stream-K accepts them.
-
-  PYTHONPATH=. python benchmarks/explore_mosaic.py --stream-k --json $OUT/mosaic_sk.json
-
 GPU only (Hopper, jax >= 0.11).
 """
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -133,52 +123,6 @@ def run_ablation(a: argparse.Namespace) -> None:
           json.dump(rows, open(a.json, "w"), indent=1)
 
 
-def run_stream_k(a: argparse.Namespace) -> None:
-  print(jax.__version__, jax.devices()[0].device_kind, "stream-k", flush=True)
-  rows, t0 = [], time.time()
-  for k, n, ms in ((8192, 28672, (16, 1, 64)), (4096, 4096, (16,))):
-    for m in ms:
-      kx, kw = jax.random.split(jax.random.key(m))
-      xf = jax.random.normal(kx, (m, k), jnp.bfloat16)
-      t_bf = _timing.time_in_loop(lambda x, w: x @ w.T, xf, jax.random.normal(kw, (n, k), jnp.bfloat16))
-      rows.append(dict(m=m, k=k, n=n, kernel="xla bf16", us=t_bf * 1e6))
-      print(rows[-1], flush=True)
-      xs8 = jnp.max(jnp.abs(xf.astype(jnp.float32)), axis=1) / 127
-      x8 = jnp.clip(jnp.round(xf.astype(jnp.float32) / xs8[:, None]), -127, 127).astype(jnp.int8)
-      for act, x, xs in (("int8", x8, xs8), ("bf16", xf, None)):
-        for qtype, lo, hi in (("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)):
-          if time.time() - t0 > a.budget_s:
-            return
-          v = jax.random.randint(kw, (n, k), lo, hi, jnp.int32).astype(jnp.int8)
-          w = mm.prepare_mosaic_weight(v, qtype)
-          ref = np.asarray(mm.mosaic_matmul_reference(x, v, qtype, x_scale=xs), np.float64)
-          base = mm.default_config(w, m, act_dtype=x.dtype)
-          sk = dataclasses.replace(base, split_k=1, stream_k=True)
-          for cfg in (base, sk):
-            name = (f"{qtype} {act} rows{cfg.wg_rows} tk{cfg.tile_k} s{cfg.steps} sk{cfg.split_k}"
-                    + (" stream-k" if cfg.stream_k else ""))
-            try:
-              mm.checked_config(x, w, cfg)
-            except ValueError as e:
-              rows.append(dict(m=m, k=k, n=n, kernel=name, skipped=str(e)[:200]))
-              print(rows[-1], flush=True)
-              continue
-            f = jax.jit(lambda x, w, cfg=cfg, xs=xs: mm.mosaic_matmul(x, w, x_scale=xs, config=cfg))
-            try:
-              out = np.asarray(f(x, w), np.float64)
-              err = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
-              same = bool(np.array_equal(out, np.asarray(f(x, w), np.float64)))
-              t = _timing.time_in_loop(f, x, w)
-              rows.append(dict(m=m, k=k, n=n, kernel=name, us=t * 1e6, rel_err=err, vs_bf16=t_bf / t,
-                               repeatable=same))
-            except Exception as e:  # noqa: BLE001
-              rows.append(dict(m=m, k=k, n=n, kernel=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
-            print({kk: (round(vv, 3) if isinstance(vv, float) else vv) for kk, vv in rows[-1].items()},
-                  flush=True)
-            if a.json:
-              json.dump(rows, open(a.json, "w"), indent=1)
-
-
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--budget-s", type=float, default=400)
@@ -186,12 +130,8 @@ def main():
   p.add_argument("--act", choices=("bf16", "int8"), default="bf16")
   p.add_argument("--tiles", default="", help="comma-separated ROWSxTILE_K configs to keep")
   p.add_argument("--ablate", action="store_true")
-  p.add_argument("--stream-k", action="store_true")
   a = p.parse_args()
-  if a.stream_k:
-    run_stream_k(a)
-  else:
-    run_ablation(a) if a.ablate else run_configs(a)
+  run_ablation(a) if a.ablate else run_configs(a)
 
 
 if __name__ == "__main__":

@@ -82,21 +82,12 @@ class MosaicConfig:
       traffic per weight byte). The decoded weights of a step live in
       registers: with bf16/f16 activations ``wg_rows * tile_k`` <= 32768
       (:func:`mosaic_matmul` checks it), with int8 ones every config fits.
-    stream_k: spread the (weight tile, K step) work evenly over the SMs
-      instead of whole tiles: each CTA runs one unbroken pipeline over a
-      contiguous range of the flattened steps (crossing tile boundaries) and
-      adds each finished partial tile into the output with a TMA reduce-add
-      (:func:`stream_k_schedule`). Exact with int8 activations (int32 sums);
-      with float activations only where no tile gets more than two partial
-      sums (then the order of the additions cannot change the result).
-      Excludes ``split_k`` > 1.
   """
 
   tile_k: int = 512
   steps: int = 3
   split_k: int = 1
   wg_rows: int = 64
-  stream_k: bool = False
 
   def __post_init__(self):
     if self.tile_k not in TILE_KS:
@@ -107,9 +98,6 @@ class MosaicConfig:
       raise ValueError(f"split_k={self.split_k} must be a power of two >= 1")
     if self.wg_rows not in WG_ROWS:
       raise ValueError(f"wg_rows={self.wg_rows}; valid: {WG_ROWS}")
-    if self.stream_k and self.split_k != 1:
-      raise ValueError(f"stream_k=True with split_k={self.split_k}: stream-K already splits K "
-                       f"where it balances the SMs; use split_k=1")
 
   @property
   def cta_rows(self) -> int:
@@ -245,39 +233,6 @@ def with_split(w: MosaicWeight, cfg: MosaicConfig, num_sms: int | None = None) -
   return dataclasses.replace(cfg, split_k=split)
 
 
-@dataclasses.dataclass(frozen=True)
-class StreamKSchedule:
-  """How :attr:`MosaicConfig.stream_k` spreads ``tiles * k_steps`` pipeline steps.
-
-  Attributes:
-    steps_per_cta: the length of each CTA's contiguous range of flattened
-      (tile, K step) steps (the last CTA's range may be shorter).
-    ctas: CTAs launched (<= the SM count).
-    total: ``tiles * k_steps``.
-    max_partials: the most CTAs that add into any one output tile.
-  """
-
-  steps_per_cta: int
-  ctas: int
-  total: int
-  max_partials: int
-
-
-def stream_k_schedule(tiles: int, k_steps: int, num_sms: int | None = None) -> StreamKSchedule:
-  """The stream-K split of ``tiles`` output tiles of ``k_steps`` K steps each
-  over ``num_sms`` SMs: every CTA takes ``ceil(total / num_sms)`` consecutive steps.
-
-  >>> stream_k_schedule(112, 32, 132)   # N = 28672 in 256-row tiles, K = 8192 in 256
-  StreamKSchedule(steps_per_cta=28, ctas=128, total=3584, max_partials=2)
-  """
-  sms = num_sms or _num_sms()
-  total = tiles * k_steps
-  per = _common.cdiv(total, sms)
-  partials = max(_common.cdiv((t + 1) * k_steps, per) - (t * k_steps) // per for t in range(tiles))
-  return StreamKSchedule(steps_per_cta=per, ctas=_common.cdiv(total, per), total=total,
-                         max_partials=partials)
-
-
 def _num_sms() -> int:
   try:
     return int(jax.local_devices(backend="gpu")[0].core_count)
@@ -341,13 +296,6 @@ def checked_config(x: jax.Array, w: MosaicWeight, config: MosaicConfig | None = 
                      f"(limit {SMEM_BYTES}); use fewer steps or a smaller tile_k")
   if w.k_pad % (cfg.tile_k * cfg.split_k):
     raise ValueError(f"{cfg} does not tile K={w.k_pad} (padded): tile_k * split_k must divide it")
-  if cfg.stream_k and not a8:
-    sched = stream_k_schedule(w.n_pad // cfg.cta_rows, w.k_pad // cfg.tile_k)
-    if sched.max_partials > 2:
-      raise ValueError(f"{cfg} with {x.dtype} activations: stream-K would add {sched.max_partials} "
-                       f"float partial sums into one output tile, in an order that varies between "
-                       f"runs; it takes float activations only where every tile gets at most 2 "
-                       f"(int8 activations: any number, exact)")
   return cfg
 
 
@@ -568,76 +516,14 @@ def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: str | No
       return _decode_binary(q, rows, tile_k, float_type(), one_bits)
     return _relabel(q.astype(float_type()), rows, tile_k, per=4 if qtype == "int4" else 2)
 
-  def mma(w_smem, x_smem, acc, mine):
-    """One pipeline step of a consumer warpgroup: its weight rows ``mine`` x the activation tile."""
-    if ablate == "stream":
-      return
-    # int8 x int8: wgmma reads the weight tile from shared memory as stored
-    lhs = w_smem.at[mine] if a8 and qtype == "int8" else decode(w_smem.at[mine])
-    plgpu.wgmma(acc, lhs, x_smem.transpose((1, 0)))
-    plgpu.wgmma_wait(0)  # the slot is released when the step returns
-
-  wg_rows = lambda wg: pl.ds(wg * rows, rows)
-  w_spec = lambda index_map: plgpu.BlockSpec((cta_rows, w_cols), index_map, transforms=w_tr,
-                                             memory_space=plgpu.SMEM)
-  x_spec = lambda index_map: plgpu.BlockSpec((mp, tile_k), index_map, transforms=x_tr,
-                                             memory_space=plgpu.SMEM)
-  scratch = dict(o_smem=plgpu.SMEM((_WGS, rows, mp), acc_dtype, transforms=o_tr))
-
-  if cfg.stream_k:
-    sched = stream_k_schedule(n_tiles, k_steps)
-    per, total = sched.steps_per_cta, sched.total
-
-    def body_sk(w_gmem, x_gmem, o_gmem, o_smem):
-      wg = lax.axis_index("wg")
-      mine = wg_rows(wg)
-      base = lax.axis_index("sm") * per
-      flat = lambda i: jnp.minimum(base + i, total - 1)  # the last CTA's spare steps reload the last block
-
-      def context(run):
-        @functools.partial(pl.run_scoped, acc=plgpu.ACC((rows, mp), acc_dtype))
-        def _acc(acc):
-          run(acc)
-
-      def step(idx, w_smem, x_smem, acc):
-        (i,) = idx
-        mma(w_smem, x_smem, acc, mine)
-        f = base + i
-        end = (f % k_steps == k_steps - 1) | (i == per - 1)  # a tile, or this CTA's range, ends
-        @pl.when(end)
-        def _flush():
-          res = acc[...]
-
-          @pl.when(f < total)
-          def _store():
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            o_smem[wg] = res
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg],
-                                    o_gmem.at[pl.ds((f // k_steps) * cta_rows + wg * rows, rows)],
-                                    reduction_op="add")
-
-          acc[...] = jnp.zeros_like(res)
-        return acc
-
-      plgpu.emit_pipeline_warp_specialized(
-          step, grid=(per,), memory_registers=40,
-          in_specs=[w_spec(lambda i: (flat(i) // k_steps, flat(i) % k_steps)),
-                    x_spec(lambda i: (0, flat(i) % k_steps))],
-          wg_axis="wg", num_compute_wgs=_WGS, max_concurrent_steps=cfg.steps,
-          compute_context=context)(w_gmem, x_gmem)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    out = jax.new_ref(jnp.zeros((n_pad, mp), acc_dtype))
-    plgpu.kernel(body_sk, out_type=(), grid=(sched.ctas,), grid_names=("sm",),
-                 num_threads=_WGS + 1, thread_name="wg", scratch_types=scratch)(w, x, out)
-    return out[...][None]
-
   def body(w_gmem, x_gmem, o_gmem, o_smem):
     def pipeline(step, context):
       return plgpu.emit_pipeline_warp_specialized(
           step, grid=(k_steps,), memory_registers=40,
-          in_specs=[w_spec(lambda kk: (0, kk)), x_spec(lambda kk: (0, kk))],
+          in_specs=[plgpu.BlockSpec((cta_rows, w_cols), lambda kk: (0, kk), transforms=w_tr,
+                                    memory_space=plgpu.SMEM),
+                    plgpu.BlockSpec((mp, tile_k), lambda kk: (0, kk), transforms=x_tr,
+                                    memory_space=plgpu.SMEM)],
           wg_axis="wg", num_compute_wgs=_WGS, max_concurrent_steps=cfg.steps,
           compute_context=context)
 
@@ -656,7 +542,7 @@ def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: str | No
         ks = pl.ds(s_idx * kpart, kpart)
         wks = pl.ds(s_idx * (kpart // 8), kpart // 8) if qtype == "binary" else ks
         tile_rows = pl.ds(n_idx * cta_rows, cta_rows)
-        mine = wg_rows(wg)
+        wg_rows = pl.ds(wg * rows, rows)
 
         def context(run):
           @functools.partial(pl.run_scoped, acc=plgpu.ACC((rows, mp), acc_dtype))
@@ -666,10 +552,15 @@ def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: str | No
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             o_smem[wg] = res
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[s_idx].at[tile_rows].at[mine])
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[s_idx].at[tile_rows].at[wg_rows])
 
         def step(_, w_smem, x_smem, acc):
-          mma(w_smem, x_smem, acc, mine)
+          if ablate == "stream":
+            return acc
+          # int8 x int8: wgmma reads the weight tile from shared memory as stored
+          lhs = w_smem.at[wg_rows] if a8 and qtype == "int8" else decode(w_smem.at[wg_rows])
+          plgpu.wgmma(acc, lhs, x_smem.transpose((1, 0)))
+          plgpu.wgmma_wait(0)  # the slot is released when the step returns
           return acc
 
         pipeline(step, context)(w_gmem.at[tile_rows, wks], x_gmem.at[:, ks], allocations=allocs)
@@ -679,5 +570,6 @@ def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: str | No
   call = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((split, n_pad, mp), acc_dtype),
       grid=(min(_num_sms(), n_tiles * split),), grid_names=("sm",),
-      num_threads=_WGS + 1, thread_name="wg", scratch_types=scratch)
+      num_threads=_WGS + 1, thread_name="wg",
+      scratch_types=dict(o_smem=plgpu.SMEM((_WGS, rows, mp), acc_dtype, transforms=o_tr)))
   return call(w, x)

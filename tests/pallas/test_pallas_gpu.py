@@ -204,51 +204,6 @@ def test_mosaic_gpu_int8_activations(qtype, lo, hi, m, n, k, cfg):
   assert _rel(out, ref) < 1e-6
 
 
-_STREAM_K_SHAPES = [
-    # 7 tiles x 40 K steps over the SMs: ranges of 3 steps cross tile boundaries, the last is short
-    (16, 896, 10240, mm.MosaicConfig(tile_k=256, steps=3, stream_k=True)),
-    (5, 3000, 1000, mm.MosaicConfig(tile_k=256, steps=2, wg_rows=128, stream_k=True)),  # ragged
-    (64, 1024, 2048, mm.MosaicConfig(tile_k=512, steps=2, stream_k=True)),  # 8 partials per tile
-]
-
-
-@_needs_mosaic
-@pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
-@pytest.mark.parametrize("m,n,k,cfg", _STREAM_K_SHAPES)
-def test_mosaic_gpu_stream_k_int8_activations(qtype, lo, hi, m, n, k, cfg):
-  # Partial tiles are added into the output by TMA reduce-add: int32, so exact in any order.
-  rng = np.random.default_rng(m + n + k + 2)
-  v = jnp.asarray(rng.integers(lo, hi, (n, k)), jnp.int8)
-  ws = jnp.asarray(rng.random(n) + 0.5, jnp.float32)
-  xs = jnp.asarray(rng.random(m) + 0.5, jnp.float32)
-  x = jnp.asarray(rng.integers(-128, 128, (m, k)), jnp.int8)
-  w = mm.prepare_mosaic_weight(v, qtype, scale=ws)
-  f = jax.jit(lambda x, w: mm.mosaic_matmul(x, w, x_scale=xs, config=cfg))
-  out = f(x, w)
-  ref = mm.mosaic_matmul_reference(x, v, qtype, w_scale=ws, x_scale=xs)
-  assert out.shape == (m, n)
-  assert _rel(out, ref) < 1e-6
-  np.testing.assert_array_equal(np.asarray(f(x, w)), np.asarray(out))  # repeatable bits
-
-
-@_needs_mosaic
-@pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
-def test_mosaic_gpu_stream_k_float_activations(qtype, lo, hi):
-  # 140 tiles x 2 K steps: every tile gets at most two f32 partial sums (0 + a + b in
-  # either order is the same float), so stream-K takes bf16 activations here.
-  m, n, k = 16, 17920, 512
-  cfg = mm.MosaicConfig(tile_k=256, steps=3, stream_k=True)
-  assert mm.stream_k_schedule(n // cfg.cta_rows, k // cfg.tile_k).max_partials <= 2
-  rng = np.random.default_rng(7)
-  v = jnp.asarray(rng.integers(lo, hi, (n, k)), jnp.int8)
-  x = _acts(rng, m, k, "bfloat16")
-  w = mm.prepare_mosaic_weight(v, qtype)
-  f = jax.jit(lambda x, w: mm.mosaic_matmul(x, w, config=cfg))
-  out = f(x, w)
-  assert _rel(out, mm.mosaic_matmul_reference(x, v, qtype)) < FLOAT_BUDGET
-  np.testing.assert_array_equal(np.asarray(f(x, w)), np.asarray(out))
-
-
 @_needs_mosaic
 @pytest.mark.parametrize("qtype", mm.QTYPES)
 def test_auto_runs_a_mosaic_weight_on_the_kernel(qtype):

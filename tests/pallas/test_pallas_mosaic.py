@@ -193,7 +193,6 @@ def test_layout_errors_name_the_bad_value():
     (dict(steps=1), "steps=1"),
     (dict(split_k=3), "split_k=3"),
     (dict(wg_rows=96), "wg_rows=96"),
-    (dict(stream_k=True, split_k=2), "stream_k=True with split_k=2"),
 ])
 def test_config_validation(kw, match):
   with pytest.raises(ValueError, match=match):
@@ -216,31 +215,6 @@ def test_default_config_fits_and_tiles(qtype, n, k, m, act):
   assert w.k_pad % (cfg.tile_k * cfg.split_k) == 0
   tiles = w.n_pad // cfg.cta_rows
   assert tiles * cfg.split_k <= max(132, tiles)
-
-
-@pytest.mark.parametrize("tiles,k_steps,sms", [(112, 32, 132), (7, 40, 132), (32, 16, 132),
-                                                (140, 2, 132), (3, 5, 8), (1, 1, 132), (24, 18, 114)])
-def test_stream_k_schedule_covers_every_step_once(tiles, k_steps, sms):
-  s = mm.stream_k_schedule(tiles, k_steps, sms)
-  assert s.total == tiles * k_steps and s.ctas <= sms
-  # CTA g runs flattened steps [g * per, (g + 1) * per) clipped to total: a partition.
-  ranges = [range(g * s.steps_per_cta, min((g + 1) * s.steps_per_cta, s.total)) for g in range(s.ctas)]
-  steps = [f for r in ranges for f in r]
-  assert steps == list(range(s.total)) and all(len(r) for r in ranges)
-  # Balance: no CTA runs more than one step above the mean.
-  assert s.steps_per_cta - 1 < s.total / min(sms, s.total) + 1e-9
-  # max_partials: the most CTAs whose range meets one tile's steps, counted by brute force.
-  meets = [sum(any(f // k_steps == t for f in r) for r in ranges) for t in range(tiles)]
-  assert s.max_partials == max(meets)
-
-
-def test_stream_k_float_activations_need_two_partials_at_most():
-  w = jax.eval_shape(lambda v: mm.prepare_mosaic_weight(v, "int4"), jax.ShapeDtypeStruct((1024, 2048), jnp.int8))
-  cfg = mm.MosaicConfig(tile_k=512, steps=2, stream_k=True)  # 8 tiles x 4 steps on 132 SMs
-  assert mm.stream_k_schedule(8, 4).max_partials == 4
-  with pytest.raises(ValueError, match="stream-K would add 4 float partial sums"):
-    mm.checked_config(jnp.ones((16, 2048), jnp.bfloat16), w, cfg)
-  assert mm.checked_config(jnp.ones((16, 2048), jnp.int8), w, cfg) == cfg  # int32: exact
 
 
 def test_prepare_pads_and_lays_out():
