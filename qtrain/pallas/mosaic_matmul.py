@@ -66,6 +66,7 @@ _WGS = 2  # consumer warpgroups per CTA
 N_ALIGN = _WGS * max(WG_ROWS)  # N is padded to this
 TILE_KS = (128, 256, 512)
 _MAX_A_BYTES = 64 * 512 * 2  # decoded A fragment per warpgroup: 128 registers per thread
+_EPILOGUE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -299,15 +300,28 @@ def checked_config(x: jax.Array, w: MosaicWeight, config: MosaicConfig | None = 
   return cfg
 
 
-def _matmul(x, w: MosaicWeight, x_scale, out_dtype, cfg: MosaicConfig) -> jax.Array:
+def _matmul(x, w: MosaicWeight, x_scale, out_dtype, cfg: MosaicConfig, *,
+            fuse_epilogue: bool = True) -> jax.Array:
   """:func:`mosaic_matmul` after its checks (traceable off a GPU, e.g. as the
-  CUDA branch of ``lax.platform_dependent``)."""
+  CUDA branch of ``lax.platform_dependent``). Without split-K the kernel's
+  epilogue applies the scales and writes the (M, N) output; with it (or with
+  ``fuse_epilogue=False``) XLA sums the (N, M) partial sums and scales them."""
   m = x.shape[0]
   a8 = x.dtype == jnp.int8
   mp = _common.round_up(m, 16)
   xp = jnp.pad(x, ((0, mp - m), (0, w.k_pad - w.k)))
   if a8:
     xp = mosaic_layout.permute_activations(xp, w.qtype)
+  if fuse_epilogue and cfg.split_k == 1 and jnp.dtype(out_dtype) in _EPILOGUE_DTYPES:
+    # scales, transpose and cast in the kernel's epilogue (1 / factor is a power of two,
+    # so folding it into the weight scale gives the same bits as the XLA epilogue below)
+    ws = jnp.ones((w.n,), jnp.float32) if w.w_scale is None else w.w_scale
+    ws = jnp.pad(ws * (1.0 / A8_FACTOR[w.qtype] if a8 else 1.0), (0, w.n_pad - w.n))
+    xs = jnp.ones((m,), jnp.float32) if x_scale is None else jnp.broadcast_to(
+        jnp.asarray(x_scale, jnp.float32).reshape(-1), (m,))
+    out = _kernel(w.data, xp, ws, jnp.pad(xs, (0, mp - m)), qtype=w.qtype, k_pad=w.k_pad,
+                  cfg=cfg, out_dtype=out_dtype)
+    return out[:m, :w.n]
   parts = _kernel(w.data, xp, qtype=w.qtype, k_pad=w.k_pad, cfg=cfg)
   acc = (parts[0] if cfg.split_k == 1 else parts.sum(0))[:w.n, :m].T
   if a8:
@@ -460,9 +474,14 @@ def _relabel(y, rows: int, tile_k: int, per: int):
                          lambda reg, j: mgpu.utils.vector_slice(reg, slice(2 * j, 2 * j + 2)))
 
 
-def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: str | None = None) -> jax.Array:
+def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: str | None = None,
+            out_dtype=None) -> jax.Array:
   """(Np, Kw) weights x (Mp, Kp) activations -> (split_k, Np, Mp) partial sums
-  (f32; int32 for int8 activations).
+  (f32; int32 for int8 activations); with ``scales`` = (w_scale (Np,), x_scale
+  (Mp,)) f32 (split_k 1), the scaled (Mp, Np) ``out_dtype`` product instead:
+  the epilogue multiplies the accumulator by both, casts, and stores it
+  transposed to shared memory element by element for one TMA copy per
+  warpgroup tile.
 
   ``ablate`` (measurement only, wrong results; benchmarks/explore_mosaic.py):
   "stream" leaves each pipeline step empty (the TMA pipeline alone);
@@ -516,7 +535,28 @@ def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: str | No
       return _decode_binary(q, rows, tile_k, float_type(), one_bits)
     return _relabel(q.astype(float_type()), rows, tile_k, per=4 if qtype == "int4" else 2)
 
-  def body(w_gmem, x_gmem, o_gmem, o_smem):
+  fused = bool(scales)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+  def store_transposed(ctx, r, o_ref):
+    """(rows, mp) fragment -> this warpgroup's (mp, rows) slot of ``o_ref``, element by element."""
+    del ctx
+    from jax._src.lib.mlir import ir as _ir
+    from jax._src.lib.mlir.dialects import arith, memref, vector
+    index = _ir.IndexType.get()
+    wgi = arith.index_cast(index, mgpu.utils.warpgroup_idx(sync=False))
+    for (row, col), reg in zip(r.layout.thread_idxs(r.shape), r.registers.flat):
+      for e in range(_ir.VectorType(reg.type).shape[0]):
+        val = vector.extract(reg, dynamic_position=[], static_position=[e])
+        c = arith.addi(col, arith.constant(index, e)) if e else col
+        memref.store(val, o_ref, [wgi, c, row])
+
+  def body(w_gmem, x_gmem, *refs, o_smem):
+    if fused:
+      ws_gmem, xs_gmem, o_gmem = refs
+    else:
+      (o_gmem,) = refs
+
     def pipeline(step, context):
       return plgpu.emit_pipeline_warp_specialized(
           step, grid=(k_steps,), memory_registers=40,
@@ -550,9 +590,18 @@ def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: str | No
             run(acc)
             res = acc[...]
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            o_smem[wg] = res
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[s_idx].at[tile_rows].at[wg_rows])
+            if fused:
+              row0 = n_idx * cta_rows + wg * rows
+              ws = plgpu.load(ws_gmem.at[pl.ds(row0, rows)], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+              xs = plgpu.load(xs_gmem, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+              r = res.astype(jnp.float32) * ws[:, None] * xs[None, :]
+              store_transposed(r.astype(out_dtype), o_smem)
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[:, pl.ds(row0, rows)])
+            else:
+              o_smem[wg] = res
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[s_idx].at[tile_rows].at[wg_rows])
 
         def step(_, w_smem, x_smem, acc):
           if ablate == "stream":
@@ -567,9 +616,15 @@ def _kernel(w, x, *, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: str | No
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+  if fused:
+    out_type = jax.ShapeDtypeStruct((mp, n_pad), out_dtype)
+    o_smem = plgpu.SMEM((_WGS, mp, rows), out_dtype)
+  else:
+    out_type = jax.ShapeDtypeStruct((split, n_pad, mp), acc_dtype)
+    o_smem = plgpu.SMEM((_WGS, rows, mp), acc_dtype, transforms=o_tr)
   call = plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((split, n_pad, mp), acc_dtype),
+      body, out_type=out_type,
       grid=(min(_num_sms(), n_tiles * split),), grid_names=("sm",),
       num_threads=_WGS + 1, thread_name="wg",
-      scratch_types=dict(o_smem=plgpu.SMEM((_WGS, rows, mp), acc_dtype, transforms=o_tr)))
-  return call(w, x)
+      scratch_types=dict(o_smem=o_smem))
+  return call(w, x, *scales)

@@ -205,6 +205,34 @@ def test_mosaic_gpu_int8_activations(qtype, lo, hi, m, n, k, cfg):
 
 
 @_needs_mosaic
+@pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
+@pytest.mark.parametrize("act", ["bfloat16", "int8"])
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("m,n,k,cfg", [
+    (5, 1000, 2048, mm.MosaicConfig(tile_k=256, steps=2, wg_rows=128)),  # ragged M and N
+    (16, 512, 1024, mm.MosaicConfig(tile_k=512, steps=3)),
+    (64, 768, 512, mm.MosaicConfig(tile_k=256, steps=2)),
+])
+def test_mosaic_kernel_epilogue_matches_the_xla_epilogue(qtype, lo, hi, act, out_dtype, m, n, k, cfg):
+  # Without split-K the kernel scales, casts and transposes the result itself: the same
+  # bits as the partial sums scaled by XLA (the A8 factor is a power of two).
+  rng = np.random.default_rng(m * n + k)
+  v = jnp.asarray(rng.integers(lo, hi, (n, k)), jnp.int8)
+  w = mm.prepare_mosaic_weight(v, qtype, scale=jnp.asarray(rng.random(n) + 0.5, jnp.float32))
+  xs = jnp.asarray(rng.random(m) + 0.5, jnp.float32)
+  x = (jnp.asarray(rng.integers(-128, 128, (m, k)), jnp.int8) if act == "int8"
+       else _acts(rng, m, k, act))
+  run = lambda fuse: np.asarray(jax.jit(lambda x, w: mm._matmul(
+      x, w, xs, jnp.dtype(out_dtype), cfg, fuse_epilogue=fuse))(x, w))
+  fused = run(True)
+  assert fused.shape == (m, n) and fused.dtype == jnp.dtype(out_dtype)
+  np.testing.assert_array_equal(fused, run(False))
+  # bf16 output: round to nearest, at most 2**-9 of the largest value (budget 2**-8)
+  budget = {"float32": 1e-6 if act == "int8" else FLOAT_BUDGET, "bfloat16": 2.0**-8}[out_dtype]
+  assert _rel(fused, mm.mosaic_matmul_reference(x, v, qtype, w_scale=w.w_scale, x_scale=xs)) < budget
+
+
+@_needs_mosaic
 @pytest.mark.parametrize("qtype", mm.QTYPES)
 def test_auto_runs_a_mosaic_weight_on_the_kernel(qtype):
   # On the GPU "auto" runs a MosaicWeight through the Mosaic kernel: bit for bit
