@@ -67,7 +67,7 @@ def run_configs(a: argparse.Namespace) -> None:
       print(rows[-1], flush=True)
       for qtype, lo, hi in (("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)):
         v = jax.random.randint(kw, (n, k), lo, hi, jnp.int32).astype(jnp.int8)
-        w = mm.prepare_mosaic_weight(v, qtype)
+        w = mm.prepare_mosaic_weight(v, qtype, order="int8" if a8 else "float")
         ref = np.asarray(mm.mosaic_matmul_reference(x, v, qtype, x_scale=xs), np.float64)
         base = mm.default_config(w, m, act_dtype=x.dtype)
         for cfg in library_configs(qtype, m, x.dtype.itemsize):
@@ -105,7 +105,7 @@ def run_ablation(a: argparse.Namespace) -> None:
     x = xf if act == jnp.bfloat16 else jnp.clip(jnp.round(xf * 40), -127, 127).astype(jnp.int8)
     for qtype, lo, hi in (("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)):
       v = jax.random.randint(kw, (n, k), lo, hi, jnp.int32).astype(jnp.int8)
-      w = mm.prepare_mosaic_weight(v, qtype)
+      w = mm.prepare_mosaic_weight(v, qtype, order="int8" if act == jnp.int8 else "float")
       cfg = mm.default_config(w, m, act_dtype=act)
       modes = [None, "stream"]
       if act == jnp.int8 and qtype != "int8":

@@ -121,8 +121,14 @@ class Operands:
     if m <= mm.MAX_M:
       for name, (vals, sc) in {"binary": (self.w_bin_values, absw), "int4": (self.w4_values, s4),
                                "int8": (self.w8_values, self.w8_scale)}.items():
-        self.mosaic[name] = mm.prepare_mosaic_weight(vals, name, scale=sc)
+        for order in ("float", "int8"):  # laid out for the kernel's 16-bit or int8 activations
+          self.mosaic[name, order] = mm.prepare_mosaic_weight(vals, name, scale=sc, order=order)
     jax.block_until_ready((self.w_bin, self.w8, self.packed, self.xw, self.w4, self.mosaic))
+
+
+def _mosaic_weight(ops: Operands, kernel: str):
+  """The Mosaic kernel's weight for ``kernel``, in the storage order of its activations."""
+  return ops.mosaic[_MOSAIC_QTYPE[kernel], "int8" if kernel.endswith("A8") else "float"]
 
 
 def kernel_fn(kernel: str, ops: Operands, config, method: str = "mma"):
@@ -155,10 +161,10 @@ def kernel_fn(kernel: str, ops: Operands, config, method: str = "mma"):
     return (lambda x, w: nbm.nbit_matmul(x, w, out_dtype=out, config=config)), (ops.x, ops.w8)
   if kernel in _MOSAIC_QTYPE and kernel.endswith("A8"):
     return (lambda x, w, s: mm.mosaic_matmul(x, w, x_scale=s, out_dtype=out, config=config)), (
-        ops.xq, ops.mosaic[_MOSAIC_QTYPE[kernel]], ops.xs)
+        ops.xq, _mosaic_weight(ops, kernel), ops.xs)
   if kernel in _MOSAIC_QTYPE:
     return (lambda x, w: mm.mosaic_matmul(x, w, out_dtype=out, config=config)), (
-        ops.x, ops.mosaic[_MOSAIC_QTYPE[kernel]])
+        ops.x, _mosaic_weight(ops, kernel))
   if kernel == "int8 x int8":
     return (lambda x, w, s: imm.int8_matmul(x, w, x_scale=s, out_dtype=out, config=config)), (
         ops.xq, ops.w8, ops.xs)
@@ -177,7 +183,7 @@ def reference(kernel: str, ops: Operands) -> jax.Array:
     return bmm.binary_matmul_reference(xb, ops.w_bin_values, w_scale=ops.w_bin.w_scale[0, :ops.n])
   if kernel in _MOSAIC_QTYPE:
     qt = _MOSAIC_QTYPE[kernel]
-    w = ops.mosaic[qt]
+    w = _mosaic_weight(ops, kernel)
     vals = {"binary": ops.w_bin_values, "int4": ops.w4_values, "int8": ops.w8_values}[qt]
     if kernel.endswith("A8"):
       return mm.mosaic_matmul_reference(ops.xq, vals, qt, w_scale=w.w_scale, x_scale=ops.xs)
@@ -328,7 +334,7 @@ def main():
         if cfg is not None:
           best_cfgs[(kernel, k, n, m)] = cfg
         elif kernel in _MOSAIC_QTYPE:
-          c = mm.default_config(ops.mosaic[_MOSAIC_QTYPE[kernel]], m,
+          c = mm.default_config(_mosaic_weight(ops, kernel), m,
                                 act_dtype=jnp.int8 if kernel.endswith("A8") else jnp.bfloat16)
           note = f"default config rows{c.wg_rows} tk{c.tile_k} s{c.steps} sk{c.split_k} " + note
         elif kernel != "xla int8":

@@ -25,10 +25,15 @@ Per chunk of K columns, stored column ``s`` holds logical column
 
 With int8 activations (the kernels' "A8" path) the decoded weights go to
 wgmma's 8-bit A layout instead (thread quad ``q`` holds columns ``4q + v`` of
-each 16-column chunk). The weights keep the storage order above (one
-prepared weight serves both paths); the decode puts each stored column into
-some 8-bit slot, and :func:`activation_permutation` permutes the activations'
-K columns the same way, so the dot product is unchanged.
+each 16-column chunk): the decode puts each stored column into some 8-bit
+slot. Each storage order is laid out for one kind of activations (``order``:
+``"float"``, the order above, or ``"int8"``, where the A8 decode puts every
+column in its own slot; for int8 weights that is the natural order, since
+wgmma reads them from shared memory as stored). Either order serves both
+paths: where the order does not match the activations,
+:func:`activation_permutation` gives the permutation of the activations' K
+columns that makes the dot product come out unchanged (one gather of the
+small (M, K) activations per call).
 
 Example:
   >>> import numpy as np
@@ -53,88 +58,118 @@ CHUNK = {"int8": 16, "int4": 32, "binary": 128}  # K columns per permutation chu
 _QUAD_ORDER = (0, 2, 1, 3)
 
 
-def column_permutation(qtype: str) -> np.ndarray:
+ORDERS = ("float", "int8")  # the activations a storage order is laid out for
+
+
+def _check(qtype: str, order: str) -> None:
+  if qtype not in CHUNK:
+    raise ValueError(f"the Mosaic storage orders take qtype 'int8', 'int4' or 'binary', got {qtype!r}")
+  if order not in ORDERS:
+    raise ValueError(f"order={order!r}; valid: {ORDERS} (the activations the weights are laid out for)")
+
+
+def _float_order(qtype: str) -> np.ndarray:
+  if qtype == "int4":
+    return np.array([8 * (i // 2) + 2 * q + i % 2 for q in range(4) for i in range(8)])
+  if qtype == "int8":
+    return np.array([8 * (v // 2) + 2 * q + v % 2 for q in _QUAD_ORDER for v in range(4)])
+  return np.array([8 * (p % 16) + 2 * q + p // 16 for q in _QUAD_ORDER for p in range(32)])
+
+
+def decode_slots(qtype: str, act: str) -> np.ndarray:
+  """``slot[kc]``: the stored position (within a chunk) the kernel's decode for
+  ``act`` ("float" or "int8") activations puts at its wgmma K position ``kc``.
+
+  * float: the 16-bit decode puts stored position ``s`` where the "float"
+    order's column ``perm[s]`` belongs (that is what the order is for).
+  * int8 with int8 weights: wgmma reads the tile from shared memory as stored.
+  * int8 with int4 weights: quad ``q``'s 32-bit word holds stored nibbles
+    ``8q + i``; the even nibbles (``i = 2v``) become the bytes of the
+    16-column sub-chunk ``j = 0``, the odd ones of ``j = 1`` (column ``16 j + 4 q + v``).
+  * int8 with binary weights: quad ``q``'s word holds stored bytes
+    ``4 _QUAD_ORDER[q] + v``; shifting it left by ``t`` moves bit ``7 - t`` of
+    each byte to the byte's sign position, the bytes of sub-chunk ``t``
+    (column ``16 t + 4 q + v``).
+  """
+  _check(qtype, "float")
+  if act == "float":
+    return np.argsort(_float_order(qtype))
+  if act != "int8":
+    raise ValueError(f"act={act!r}; valid: 'float', 'int8'")
+  slot = np.arange(CHUNK[qtype])
+  if qtype == "int8":
+    return slot
+  for q in range(4):
+    for v in range(4):
+      if qtype == "int4":
+        for j in range(2):
+          slot[16 * j + 4 * q + v] = 8 * q + 2 * v + j
+      else:
+        for t in range(8):
+          slot[16 * t + 4 * q + v] = 8 * (4 * _QUAD_ORDER[q] + v) + 7 - t
+  return slot
+
+
+def column_permutation(qtype: str, order: str = "float") -> np.ndarray:
   """``perm[s]``: the logical column stored at position ``s`` of a chunk.
 
   For binary, position ``s = 32 q' + p`` is bit ``p`` of the chunk's word
   ``q'`` in :mod:`qtrain.core.packing`'s layout (bit ``p`` = column ``p`` of
   the word's 32), so packing the permuted values gives the words above.
+  The "int8" order is the inverse of the A8 decode's slots.
   """
-  if qtype == "int4":
-    return np.array([8 * (i // 2) + 2 * q + i % 2 for q in range(4) for i in range(8)])
-  if qtype == "int8":
-    return np.array([8 * (v // 2) + 2 * q + v % 2 for q in _QUAD_ORDER for v in range(4)])
-  if qtype == "binary":
-    return np.array([8 * (p % 16) + 2 * q + p // 16 for q in _QUAD_ORDER for p in range(32)])
-  raise ValueError(f"column_permutation takes qtype 'int8', 'int4' or 'binary', got {qtype!r}")
+  _check(qtype, order)
+  return _float_order(qtype) if order == "float" else np.argsort(decode_slots(qtype, "int8"))
 
 
-def activation_permutation(qtype: str) -> np.ndarray:
-  """``sigma[kc]``: the logical column the int8-activation kernel multiplies at
-  its K position ``kc`` of a chunk (the activations are permuted by it).
-
-  * int8: wgmma reads the stored tile from shared memory as it is, so
-    ``sigma`` is the storage order itself.
-  * int4: quad ``q``'s 32-bit word holds stored nibbles ``8q + i``; the even
-    nibbles (``i = 2v``) become the bytes of the 16-column sub-chunk ``j = 0``,
-    the odd ones of ``j = 1`` (column ``16 j + 4 q + v``).
-  * binary: quad ``q``'s word holds stored bytes ``4 _QUAD_ORDER[q] + v``;
-    shifting it left by ``t`` moves bit ``7 - t`` of each byte to the byte's
-    sign position, the bytes of sub-chunk ``t`` (column ``16 t + 4 q + v``).
-  """
-  perm = column_permutation(qtype)
-  if qtype == "int8":
-    return perm
-  sigma = np.empty_like(perm)
-  for q in range(4):
-    for v in range(4):
-      if qtype == "int4":
-        for j in range(2):
-          sigma[16 * j + 4 * q + v] = perm[8 * q + 2 * v + j]
-      else:
-        for t in range(8):
-          sigma[16 * t + 4 * q + v] = perm[8 * (4 * _QUAD_ORDER[q] + v) + 7 - t]
-  return sigma
+def activation_permutation(qtype: str, order: str = "float", act: str = "int8") -> np.ndarray:
+  """``sigma[kc]``: the logical column the kernel's ``act`` path multiplies at
+  its K position ``kc`` of a chunk, for weights stored in ``order`` (the
+  activations are permuted by it; the identity where ``order == act``)."""
+  return column_permutation(qtype, order)[decode_slots(qtype, act)]
 
 
-def permute_activations(x, qtype: str):
-  """(M, K) activations -> K in the int8-activation kernel's order for ``qtype`` weights."""
-  return jnp.take(jnp.asarray(x), jnp.asarray(_chunk_index(qtype, x.shape[-1], activation_permutation)),
-                  axis=-1)
+def permute_activations(x, qtype: str, order: str = "float", act: str = "int8"):
+  """(M, K) activations -> K in the kernel's order for ``qtype`` weights stored
+  in ``order`` (``x`` itself where that is the identity)."""
+  sigma = activation_permutation(qtype, order, act)
+  if np.array_equal(sigma, np.arange(len(sigma))):
+    return x
+  return jnp.take(jnp.asarray(x), jnp.asarray(_chunk_index(sigma, x.shape[-1], qtype)), axis=-1)
 
 
-def _chunk_index(qtype: str, k: int, order=None) -> np.ndarray:
-  perm = (order or column_permutation)(qtype)
+def _chunk_index(perm: np.ndarray, k: int, qtype: str) -> np.ndarray:
   c = len(perm)
   if k % c:
     raise ValueError(f"K={k} must be a multiple of {c} for {qtype} storage")
   return (np.arange(k // c)[:, None] * c + perm[None, :]).reshape(-1)
 
 
-def permute_columns(values, qtype: str):
+def permute_columns(values, qtype: str, order: str = "float"):
   """(N, K) values -> the same values with K in storage order (K a multiple of CHUNK)."""
-  return jnp.take(jnp.asarray(values), jnp.asarray(_chunk_index(qtype, values.shape[-1])), axis=-1)
+  index = _chunk_index(column_permutation(qtype, order), values.shape[-1], qtype)
+  return jnp.take(jnp.asarray(values), jnp.asarray(index), axis=-1)
 
 
-def unpermute_columns(stored, qtype: str):
+def unpermute_columns(stored, qtype: str, order: str = "float"):
   """Inverse of :func:`permute_columns`: (N, K) stored -> logical column order."""
-  inverse = np.argsort(_chunk_index(qtype, stored.shape[-1]))
+  inverse = np.argsort(_chunk_index(column_permutation(qtype, order), stored.shape[-1], qtype))
   return jnp.take(jnp.asarray(stored), jnp.asarray(inverse), axis=-1)
 
 
-def pack_binary(values) -> jnp.ndarray:
+def pack_binary(values, order: str = "float") -> jnp.ndarray:
   """(N, K) binary values (> 0 means +1) -> (N, K // 8) int8 bytes in storage order.
 
   K must be a multiple of 128.
   """
   values = jnp.asarray(values)
-  words = packing.pack(permute_columns(values, "binary"), "binary")  # little-endian words
+  words = packing.pack(permute_columns(values, "binary", order), "binary")  # little-endian words
   return jax.lax.bitcast_convert_type(words, jnp.int8).reshape(values.shape[0], -1)
 
 
-def unpack_binary(stored, k: int) -> jnp.ndarray:
+def unpack_binary(stored, k: int, order: str = "float") -> jnp.ndarray:
   """Inverse of :func:`pack_binary`: (N, K // 8) int8 -> (N, K) int8 +-1."""
   stored = jnp.asarray(stored)
   words = jax.lax.bitcast_convert_type(stored.reshape(stored.shape[0], -1, 4), jnp.uint32)
   values = packing.unpack(words, "binary", size=k)
-  return jnp.take(values, jnp.asarray(np.argsort(_chunk_index("binary", k))), axis=-1)
+  return unpermute_columns(values, "binary", order)

@@ -20,23 +20,28 @@ N side (``out.T = w @ x.T``):
   accumulation, which takes twice the K per instruction. int8 weights are
   read by wgmma straight from shared memory; binary weights decode to
   ``±64`` bytes (one shift and one ``(w & 0x80808080) ^ 0xC0C0C0C0`` per 4
-  weights), int4 to ``16 * value`` (one shift and one mask per 4); the
-  activations' K columns are permuted to match
-  (:func:`qtrain.pallas.mosaic_layout.activation_permutation`) and the
+  weights), int4 to ``16 * value`` (one shift and one mask per 4), and the
   factor is divided out with the scales;
-* ``config.split_k`` > 1 splits K across CTAs (for small N); partial sums are
-  added, and the scales applied, by XLA on the small (N, M) result.
+* the weights' storage order is laid out for one kind of activations
+  (``prepare_mosaic_weight(..., order="float" | "int8")``); the other kind
+  is permuted along K per call to match
+  (:func:`qtrain.pallas.mosaic_layout.activation_permutation`);
+* without split-K, the epilogue applies the scales, casts and writes the
+  (M, N) output (transposed through shared memory, one TMA copy per tile);
+  ``config.split_k`` > 1 splits K across CTAs (for small N), and XLA adds
+  the partial sums and applies the scales on the small (N, M) result.
 
 Needs a Hopper GPU and jax >= 0.11 (Pallas Mosaic GPU); tests run it on the
 GPU only (Mosaic GPU kernels have no CPU interpreter here). The
 ``implementation="mosaic"`` switch of :mod:`qtrain.pallas.dispatch` routes
-float-activation dots with binary/int4/int8 per-channel weights here.
+bf16/f16 or integer-activation dots with binary/int4/int8 per-channel weights here.
 
 Example (GPU)::
 
   w = prepare_mosaic_weight(codes, "int4", scale=s)     # codes: (N, K) int8 in [-8, 7]
   y = mosaic_matmul(x.astype(jnp.bfloat16), w, out_dtype=jnp.bfloat16)   # x: (M, K)
-  y8 = mosaic_matmul(x_codes, w, x_scale=x_s)    # x_codes: (M, K) int8, x_s: (M,)
+  w8 = prepare_mosaic_weight(codes, "int4", scale=s, order="int8")
+  y8 = mosaic_matmul(x_codes, w8, x_scale=x_s)    # x_codes: (M, K) int8, x_s: (M,)
 """
 
 from __future__ import annotations
@@ -111,11 +116,14 @@ class MosaicWeight:
 
   Attributes:
     data: binary (Np, Kp // 8) int8 packed bits; int4 (Np, Kp) ``jnp.int4``;
-      int8 (Np, Kp) int8 (columns permuted, :mod:`qtrain.pallas.mosaic_layout`).
+      int8 (Np, Kp) int8 (columns in ``order``, :mod:`qtrain.pallas.mosaic_layout`).
     w_scale: (N,) float32 per-channel scale, or None.
     qtype: "binary", "int4" or "int8" (static).
     n: true output channels (static).
     k: true contracting size (static).
+    order: the activations the storage order is laid out for (static):
+      "float" (bf16/f16) or "int8". Either serves both; the other kind of
+      activations is permuted along K per call.
   """
 
   data: jax.Array
@@ -123,6 +131,7 @@ class MosaicWeight:
   qtype: str
   n: int
   k: int
+  order: str = "float"
 
   @property
   def n_pad(self) -> int:
@@ -134,10 +143,11 @@ class MosaicWeight:
 
 
 jax.tree_util.register_dataclass(MosaicWeight, data_fields=["data", "w_scale"],
-                                 meta_fields=["qtype", "n", "k"])
+                                 meta_fields=["qtype", "n", "k", "order"])
 
 
-def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None) -> MosaicWeight:
+def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None,
+                          order: str = "float") -> MosaicWeight:
   """Lays out quantized weights (N, K) for :func:`mosaic_matmul` (jit-friendly).
 
   Args:
@@ -145,6 +155,9 @@ def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None) -> Mosai
       [-8, 7], int8 in [-128, 127].
     qtype: "binary", "int4" or "int8".
     scale: None, a scalar, or (N,) / (N, 1) per-channel scales.
+    order: the activations the weights will mostly meet: "float" (bf16/f16)
+      or "int8". Both kinds run with either; the order saves the other
+      kind's per-call permutation of the activations.
 
   Returns:
     A :class:`MosaicWeight` (N padded to a multiple of 256, K to 512; padded
@@ -152,6 +165,9 @@ def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None) -> Mosai
   """
   if qtype not in QTYPES:
     raise ValueError(f"qtype={qtype!r}; the Mosaic kernel takes {QTYPES}")
+  if order not in mosaic_layout.ORDERS:
+    raise ValueError(f"order={order!r}; valid: {mosaic_layout.ORDERS} (the activations the "
+                     f"weights are laid out for)")
   values = jnp.asarray(values)
   if values.ndim != 2:
     raise ValueError(f"weights must be 2-D (N, K); got shape {values.shape}")
@@ -159,9 +175,9 @@ def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None) -> Mosai
   n_pad, k_pad = _common.round_up(n, N_ALIGN), _common.round_up(k, K_ALIGN)
   values = jnp.pad(values.astype(jnp.int8), ((0, n_pad - n), (0, k_pad - k)))
   if qtype == "binary":
-    data = mosaic_layout.pack_binary(values)
+    data = mosaic_layout.pack_binary(values, order)
   else:
-    data = mosaic_layout.permute_columns(values, qtype)
+    data = mosaic_layout.permute_columns(values, qtype, order)
     if qtype == "int4":
       data = data.astype(jnp.int4)
   w_scale = None
@@ -170,16 +186,16 @@ def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None) -> Mosai
     if s.shape[0] not in (1, n):
       raise ValueError(f"per-channel scale has {s.shape[0]} entries; expected 1 or {n=}")
     w_scale = jnp.broadcast_to(s, (n,))
-  return MosaicWeight(data=data, w_scale=w_scale, qtype=qtype, n=n, k=k)
+  return MosaicWeight(data=data, w_scale=w_scale, qtype=qtype, n=n, k=k, order=order)
 
 
 def mosaic_weight_values(w: MosaicWeight) -> jax.Array:
   """The (N, K) int8 codes a :class:`MosaicWeight` holds (its storage order undone;
   binary as +-1): what :func:`prepare_mosaic_weight` was given, for XLA paths."""
   if w.qtype == "binary":
-    values = mosaic_layout.unpack_binary(w.data, w.k_pad)
+    values = mosaic_layout.unpack_binary(w.data, w.k_pad, w.order)
   else:
-    values = mosaic_layout.unpermute_columns(w.data.astype(jnp.int8), w.qtype)
+    values = mosaic_layout.unpermute_columns(w.data.astype(jnp.int8), w.qtype, w.order)
   return values[:w.n, :w.k]
 
 
@@ -310,8 +326,7 @@ def _matmul(x, w: MosaicWeight, x_scale, out_dtype, cfg: MosaicConfig, *,
   a8 = x.dtype == jnp.int8
   mp = _common.round_up(m, 16)
   xp = jnp.pad(x, ((0, mp - m), (0, w.k_pad - w.k)))
-  if a8:
-    xp = mosaic_layout.permute_activations(xp, w.qtype)
+  xp = mosaic_layout.permute_activations(xp, w.qtype, w.order, "int8" if a8 else "float")
   if fuse_epilogue and cfg.split_k == 1 and jnp.dtype(out_dtype) in _EPILOGUE_DTYPES:
     # scales, transpose and cast in the kernel's epilogue (1 / factor is a power of two,
     # so folding it into the weight scale gives the same bits as the XLA epilogue below)

@@ -206,6 +206,29 @@ def test_mosaic_gpu_int8_activations(qtype, lo, hi, m, n, k, cfg):
 
 @_needs_mosaic
 @pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
+@pytest.mark.parametrize("order", ["float", "int8"])
+@pytest.mark.parametrize("act", ["bfloat16", "int8"])
+@pytest.mark.parametrize("m,n,k,cfg", [
+    (3, 1000, 1536, None),  # default config: split-K, XLA epilogue
+    (16, 1000, 2048, mm.MosaicConfig(tile_k=256, steps=2, wg_rows=128)),  # kernel epilogue
+])
+def test_mosaic_gpu_either_storage_order(qtype, lo, hi, order, act, m, n, k, cfg):
+  # Weights laid out for either kind of activations run both kinds (the other kind's
+  # K columns permuted per call).
+  rng = np.random.default_rng(m + n + k + 3)
+  v = jnp.asarray(rng.integers(lo, hi, (n, k)), jnp.int8)
+  ws = jnp.asarray(rng.random(n) + 0.5, jnp.float32)
+  xs = jnp.asarray(rng.random(m) + 0.5, jnp.float32)
+  x = (jnp.asarray(rng.integers(-128, 128, (m, k)), jnp.int8) if act == "int8"
+       else _acts(rng, m, k, act))
+  w = mm.prepare_mosaic_weight(v, qtype, scale=ws, order=order)
+  out = jax.jit(lambda x, w: mm.mosaic_matmul(x, w, x_scale=xs, config=cfg))(x, w)
+  ref = mm.mosaic_matmul_reference(x, v, qtype, w_scale=ws, x_scale=xs)
+  assert _rel(out, ref) < (1e-6 if act == "int8" else FLOAT_BUDGET)
+
+
+@_needs_mosaic
+@pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
 @pytest.mark.parametrize("act", ["bfloat16", "int8"])
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("m,n,k,cfg", [

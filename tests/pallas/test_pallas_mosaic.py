@@ -55,25 +55,8 @@ def _wgmma_slots(cols):
   return slots, len(fa.WGMMA_LAYOUT.tiling.tile_shape((64, cols)))
 
 
-@pytest.mark.parametrize("qtype,lo,hi", [("int8", -128, 128), ("int4", -8, 8)])
-def test_int_storage_order_fills_wgmma_fragments(qtype, lo, hi):
-  cols = 128
-  w = np.random.default_rng(1).integers(lo, hi, (64, cols))
-  stored = np.asarray(ml.permute_columns(w, qtype))
-  upcast = fa.WGMMA_LAYOUT_UPCAST_4X if qtype == "int4" else fa.WGMMA_LAYOUT_UPCAST_2X
-  per = 4 if qtype == "int4" else 2
-  want, nd = _wgmma_slots(cols)
-  got = {}
-  for (thread, reg, slot), (r, c) in fragment_map(upcast, (64, cols)).items():
-    j, pos = divmod(slot, 2)
-    got[(thread, mm.wgmma_register(reg, j, per, nd), pos)] = stored[r, c]
-  assert got.keys() == want.keys()
-  mismatches = sum(got[key] != w[r, c] for key, (r, c) in want.items())
-  assert mismatches == 0
-
-
 def test_unpermuted_int4_would_not_fill_wgmma_fragments():
-  # The check above has teeth: without the storage permutation the relabelled
+  # The storage-order checks below have teeth: without the permutation the relabelled
   # registers hold the wrong columns.
   cols = 64
   w = np.random.default_rng(2).integers(-8, 8, (64, cols))
@@ -106,6 +89,79 @@ def test_binary_storage_and_decode_fill_wgmma_fragments(act, one_bits):
   assert sum(got[key] != w[r, c] for key, (r, c) in want.items()) == 0
 
 
+def _a16_kernel_matrix(qtype, stored, cols, one_bits=0x3F80, act=ml_dtypes.bfloat16):
+  """The (64, cols) A matrix the 16-bit kernel path multiplies: the stored tile
+  loaded in its upcast layout, relabelled (int4/int8) or decoded by
+  ``binary_pair_bits`` (binary), placed by ``wgmma_register``."""
+  want, nd = _wgmma_slots(cols)
+  a = np.full((64, cols), 999.0)
+  if qtype == "binary":
+    words = {}
+    for (thread, reg, slot), (r, c) in fragment_map(fa.WGMMA_LAYOUT_UPCAST_2X, (64, cols // 8)).items():
+      words[(thread, reg)] = words.get((thread, reg), 0) | int(stored[r, c]) << (8 * slot)
+    for (thread, reg), word in words.items():
+      for j in range(16):
+        pair = mm.binary_pair_bits(word, j, one_bits)
+        halves = np.array([pair & 0xFFFF, pair >> 16], np.uint16).view(act).astype(np.float64)
+        for pos in range(2):
+          a[want[(thread, mm.wgmma_register(reg, j, 16, nd), pos)]] = halves[pos]
+    return a
+  upcast = fa.WGMMA_LAYOUT_UPCAST_4X if qtype == "int4" else fa.WGMMA_LAYOUT_UPCAST_2X
+  per = 4 if qtype == "int4" else 2
+  for (thread, reg, slot), (r, c) in fragment_map(upcast, (64, cols)).items():
+    j, pos = divmod(slot, 2)
+    a[want[(thread, mm.wgmma_register(reg, j, per, nd), pos)]] = stored[r, c]
+  return a
+
+
+def _stored(qtype, w, order):
+  if qtype == "binary":
+    return np.asarray(ml.pack_binary(w, order)).view(np.uint8)
+  return np.asarray(ml.permute_columns(w, qtype, order))
+
+
+def _sigma(qtype, order, act, cols):
+  c = ml.CHUNK[qtype]
+  return np.concatenate([i * c + ml.activation_permutation(qtype, order, act) for i in range(cols // c)])
+
+
+@pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
+@pytest.mark.parametrize("order", ml.ORDERS)
+@pytest.mark.parametrize("act", ["float", "int8"])
+def test_every_storage_order_gives_the_dot_on_both_paths(qtype, lo, hi, order, act):
+  # Each order puts column sigma(kc) in every wgmma slot kc of either path (sigma the
+  # identity where the order is laid out for the path's activations), and the
+  # activations permuted by sigma make the product exactly factor * w @ x.T.
+  cols = 256
+  rng = np.random.default_rng(13)
+  w = rng.integers(lo, hi, (64, cols))
+  if qtype == "binary":
+    w = np.where(w > 0, 1, -1)
+  stored = _stored(qtype, w, order)
+  if act == "int8":
+    a, factor = _a8_kernel_matrix(qtype, stored, cols), mm.A8_FACTOR[qtype]
+  else:
+    a, factor = _a16_kernel_matrix(qtype, stored, cols), 1
+  sigma = _sigma(qtype, order, act, cols)
+  assert np.array_equal(sigma, np.arange(cols)) == (order == act)
+  np.testing.assert_array_equal(a, factor * w[:, sigma])
+  x = rng.integers(-128, 128, (16, cols))
+  xp = np.asarray(ml.permute_activations(jnp.asarray(x, jnp.int8), qtype, order, act)).astype(np.int64)
+  np.testing.assert_array_equal(a @ xp.T, factor * (w @ x.T))
+
+
+def test_matching_order_leaves_the_activations_alone():
+  x = jnp.ones((4, 256), jnp.int8)
+  assert ml.permute_activations(x, "int4", "int8", "int8") is x
+  assert ml.permute_activations(x, "int4", "float", "float") is x
+  with pytest.raises(ValueError, match="order='bf16'"):
+    ml.column_permutation("int4", "bf16")
+  with pytest.raises(ValueError, match="act='int4'"):
+    ml.decode_slots("int4", "int4")
+  with pytest.raises(ValueError, match="order='bf16'"):
+    mm.prepare_mosaic_weight(jnp.ones((8, 512), jnp.int8), "int8", order="bf16")
+
+
 def _a8_kernel_matrix(qtype, stored, cols):
   """The (64, cols) int8 A matrix the int8-activation kernel multiplies: the
   stored tile loaded in its upcast layout, decoded by the kernel's Python-int
@@ -134,27 +190,6 @@ def _a8_kernel_matrix(qtype, stored, cols):
         assert r in rows[(thread, reg)]  # decoding is thread-local: same rows
         a[r, kc] = quad[v]
   return a
-
-
-@pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
-def test_int8_activation_decode_and_permutation_give_the_dot(qtype, lo, hi):
-  # The A8 path: every wgmma 8-bit A slot gets factor * w[r, sigma(kc)], and
-  # the activations permuted by sigma make the product exactly w @ x.T.
-  cols = 256
-  rng = np.random.default_rng(11)
-  w = rng.integers(lo, hi, (64, cols))
-  if qtype == "binary":
-    w = np.where(w > 0, 1, -1)
-    stored = np.asarray(ml.pack_binary(w)).view(np.uint8)
-  else:
-    stored = np.asarray(ml.permute_columns(w, qtype))
-  a = _a8_kernel_matrix(qtype, stored, cols)
-  sigma = np.concatenate([c * ml.CHUNK[qtype] + ml.activation_permutation(qtype)
-                          for c in range(cols // ml.CHUNK[qtype])])
-  np.testing.assert_array_equal(a, mm.A8_FACTOR[qtype] * w[:, sigma])
-  x = rng.integers(-128, 128, (16, cols))
-  xp = np.asarray(ml.permute_activations(jnp.asarray(x, jnp.int8), qtype)).astype(np.int64)
-  np.testing.assert_array_equal(a @ xp.T, mm.A8_FACTOR[qtype] * (w @ x.T))
 
 
 def test_int8_activation_check_has_teeth():
@@ -339,11 +374,13 @@ def test_plan_mosaic_takes_int8_activation_qarrays():
 
 
 @pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
-def test_mosaic_weight_values_undo_the_storage_order(qtype, lo, hi):
+@pytest.mark.parametrize("order", ml.ORDERS)
+def test_mosaic_weight_values_undo_the_storage_order(qtype, lo, hi, order):
   v = np.random.default_rng(13).integers(lo, hi, (300, 1000)).astype(np.int8)
   if qtype == "binary":
     v = np.where(v > 0, 1, -1).astype(np.int8)
-  w = mm.prepare_mosaic_weight(jnp.asarray(v), qtype, scale=jnp.linspace(0.5, 1.5, 300))
+  w = mm.prepare_mosaic_weight(jnp.asarray(v), qtype, scale=jnp.linspace(0.5, 1.5, 300), order=order)
+  assert w.order == order
   back = mm.mosaic_weight_values(w)
   assert back.shape == (300, 1000) and back.dtype == jnp.int8
   np.testing.assert_array_equal(back, v)
