@@ -325,17 +325,18 @@ def _matmul(x, w: MosaicWeight, x_scale, out_dtype, cfg: MosaicConfig, *,
   m = x.shape[0]
   a8 = x.dtype == jnp.int8
   mp = _common.round_up(m, 16)
-  xp = jnp.pad(x, ((0, mp - m), (0, w.k_pad - w.k)))
+  # TMA zero-fills the rows past x's, but takes only row counts below 8 or a multiple of 8
+  rows_in = m if m < 8 else _common.round_up(m, 8)
+  xp = jnp.pad(x, ((0, rows_in - m), (0, w.k_pad - w.k)))
   xp = mosaic_layout.permute_activations(xp, w.qtype, w.order, "int8" if a8 else "float")
   if fuse_epilogue and cfg.split_k == 1 and jnp.dtype(out_dtype) in _EPILOGUE_DTYPES:
-    # scales, transpose and cast in the kernel's epilogue (1 / factor is a power of two,
-    # so folding it into the weight scale gives the same bits as the XLA epilogue below)
+    # scales, transpose and cast in the kernel's epilogue, in the XLA epilogue's order (same
+    # bits); aligned shapes need no XLA op around the kernel
     ws = jnp.ones((w.n,), jnp.float32) if w.w_scale is None else w.w_scale
-    ws = jnp.pad(ws * (1.0 / A8_FACTOR[w.qtype] if a8 else 1.0), (0, w.n_pad - w.n))
     xs = jnp.ones((m,), jnp.float32) if x_scale is None else jnp.broadcast_to(
         jnp.asarray(x_scale, jnp.float32).reshape(-1), (m,))
-    out = _kernel(w.data, xp, ws, jnp.pad(xs, (0, mp - m)), qtype=w.qtype, k_pad=w.k_pad,
-                  cfg=cfg, out_dtype=out_dtype)
+    out = _kernel(w.data, xp, jnp.pad(ws, (0, w.n_pad - w.n)), jnp.pad(xs, (0, mp - m)),
+                  qtype=w.qtype, k_pad=w.k_pad, cfg=cfg, out_dtype=out_dtype)
     return out[:m, :w.n]
   parts = _kernel(w.data, xp, qtype=w.qtype, k_pad=w.k_pad, cfg=cfg)
   acc = (parts[0] if cfg.split_k == 1 else parts.sum(0))[:w.n, :m].T
@@ -493,10 +494,12 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
             out_dtype=None) -> jax.Array:
   """(Np, Kw) weights x (Mp, Kp) activations -> (split_k, Np, Mp) partial sums
   (f32; int32 for int8 activations); with ``scales`` = (w_scale (Np,), x_scale
-  (Mp,)) f32 (split_k 1), the scaled (Mp, Np) ``out_dtype`` product instead:
-  the epilogue multiplies the accumulator by both, casts, and stores it
-  transposed to shared memory element by element for one TMA copy per
-  warpgroup tile.
+  (Mp,)) f32 (split_k 1), the scaled (M, Np) ``out_dtype`` product instead:
+  the epilogue multiplies the accumulator by 1 / A8 factor and both scales,
+  casts, and stores it transposed to shared memory element by element for one
+  TMA copy per warpgroup tile. ``x`` may have fewer rows than Mp (a multiple
+  of 16; fewer than 8 or a multiple of 8, TMA's rule): the TMA loads zero-fill
+  the rest.
 
   ``ablate`` (measurement only, wrong results; benchmarks/explore_mosaic.py):
   "stream" leaves each pipeline step empty (the TMA pipeline alone);
@@ -509,7 +512,7 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   n_pad = w.shape[0]
-  mp = x.shape[0]
+  mp = _common.round_up(x.shape[0], 16)  # TMA zero-fills the rows past x's
   tile_k, split = cfg.tile_k, cfg.split_k
   act = x.dtype
   a8 = act == jnp.int8
@@ -609,10 +612,13 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
               row0 = n_idx * cta_rows + wg * rows
               ws = plgpu.load(ws_gmem.at[pl.ds(row0, rows)], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
               xs = plgpu.load(xs_gmem, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-              r = res.astype(jnp.float32) * ws[:, None] * xs[None, :]
+              r = res.astype(jnp.float32)
+              if a8:
+                r = r * (1.0 / A8_FACTOR[qtype])
+              r = r * ws[:, None] * xs[None, :]
               store_transposed(r.astype(out_dtype), o_smem)
               plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[:, pl.ds(row0, rows)])
+              plgpu.copy_smem_to_gmem(o_smem.at[wg].at[:x.shape[0]], o_gmem.at[:, pl.ds(row0, rows)])
             else:
               o_smem[wg] = res
               plgpu.commit_smem()
@@ -632,7 +638,7 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   if fused:
-    out_type = jax.ShapeDtypeStruct((mp, n_pad), out_dtype)
+    out_type = jax.ShapeDtypeStruct((x.shape[0], n_pad), out_dtype)
     o_smem = plgpu.SMEM((_WGS, mp, rows), out_dtype)
   else:
     out_type = jax.ShapeDtypeStruct((split, n_pad, mp), acc_dtype)

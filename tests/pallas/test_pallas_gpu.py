@@ -233,6 +233,7 @@ def test_mosaic_gpu_either_storage_order(qtype, lo, hi, order, act, m, n, k, cfg
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("m,n,k,cfg", [
     (5, 1000, 2048, mm.MosaicConfig(tile_k=256, steps=2, wg_rows=128)),  # ragged M and N
+    (37, 640, 2048, mm.MosaicConfig(tile_k=256, steps=3)),
     (16, 512, 1024, mm.MosaicConfig(tile_k=512, steps=3)),
     (64, 768, 512, mm.MosaicConfig(tile_k=256, steps=2)),
 ])
