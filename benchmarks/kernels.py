@@ -47,6 +47,8 @@ GROUP = 128
 # Mosaic GPU kernels (per-channel scales, M <= 128) and their weight qtype.
 _MOSAIC_QTYPE = {"mosaic W1A16": "binary", "mosaic W4A16": "int4", "mosaic W8A16": "int8",
                  "mosaic W1A8": "binary", "mosaic W4A8": "int4", "mosaic W8A8": "int8"}
+# "... tiled": the same kernel on weights stored tile by tile (prepare_mosaic_weight(tiles="auto"))
+_MOSAIC_QTYPE.update({f"{k} tiled": v for k, v in list(_MOSAIC_QTYPE.items())})
 KERNELS = ("binary W1A16", "binary W1A8", "binary W1A1", "int2 W2A16 g128", "int4 W4A16 g128",
            "int4 W4A16", "int8 W8A16", "int8 x int8") + tuple(_MOSAIC_QTYPE)
 
@@ -122,13 +124,20 @@ class Operands:
       for name, (vals, sc) in {"binary": (self.w_bin_values, absw), "int4": (self.w4_values, s4),
                                "int8": (self.w8_values, self.w8_scale)}.items():
         for order in ("float", "int8"):  # laid out for the kernel's 16-bit or int8 activations
-          self.mosaic[name, order] = mm.prepare_mosaic_weight(vals, name, scale=sc, order=order)
+          for tiles in ("rows", "auto"):  # row-major, or tile by tile
+            self.mosaic[name, order, tiles] = mm.prepare_mosaic_weight(
+                vals, name, scale=sc, order=order, tiles=None if tiles == "rows" else tiles)
     jax.block_until_ready((self.w_bin, self.w8, self.packed, self.xw, self.w4, self.mosaic))
+
+
+def _mosaic_a8(kernel: str) -> bool:
+  return kernel.removesuffix(" tiled").endswith("A8")
 
 
 def _mosaic_weight(ops: Operands, kernel: str):
   """The Mosaic kernel's weight for ``kernel``, in the storage order of its activations."""
-  return ops.mosaic[_MOSAIC_QTYPE[kernel], "int8" if kernel.endswith("A8") else "float"]
+  return ops.mosaic[_MOSAIC_QTYPE[kernel], "int8" if _mosaic_a8(kernel) else "float",
+                    "auto" if kernel.endswith(" tiled") else "rows"]
 
 
 def kernel_fn(kernel: str, ops: Operands, config, method: str = "mma"):
@@ -159,7 +168,7 @@ def kernel_fn(kernel: str, ops: Operands, config, method: str = "mma"):
     return (lambda x, w: nbm.nbit_matmul(x, w, out_dtype=out, config=config)), (ops.x, w)
   if kernel == "int8 W8A16":
     return (lambda x, w: nbm.nbit_matmul(x, w, out_dtype=out, config=config)), (ops.x, ops.w8)
-  if kernel in _MOSAIC_QTYPE and kernel.endswith("A8"):
+  if kernel in _MOSAIC_QTYPE and _mosaic_a8(kernel):
     return (lambda x, w, s: mm.mosaic_matmul(x, w, x_scale=s, out_dtype=out, config=config)), (
         ops.xq, _mosaic_weight(ops, kernel), ops.xs)
   if kernel in _MOSAIC_QTYPE:
@@ -185,7 +194,7 @@ def reference(kernel: str, ops: Operands) -> jax.Array:
     qt = _MOSAIC_QTYPE[kernel]
     w = _mosaic_weight(ops, kernel)
     vals = {"binary": ops.w_bin_values, "int4": ops.w4_values, "int8": ops.w8_values}[qt]
-    if kernel.endswith("A8"):
+    if _mosaic_a8(kernel):
       return mm.mosaic_matmul_reference(ops.xq, vals, qt, w_scale=w.w_scale, x_scale=ops.xs)
     return mm.mosaic_matmul_reference(ops.x, vals, qt, w_scale=w.w_scale)
   if kernel == "int4 W4A16":
@@ -335,7 +344,7 @@ def main():
           best_cfgs[(kernel, k, n, m)] = cfg
         elif kernel in _MOSAIC_QTYPE:
           c = mm.default_config(_mosaic_weight(ops, kernel), m,
-                                act_dtype=jnp.int8 if kernel.endswith("A8") else jnp.bfloat16)
+                                act_dtype=jnp.int8 if _mosaic_a8(kernel) else jnp.bfloat16)
           note = f"default config rows{c.wg_rows} tk{c.tile_k} s{c.steps} sk{c.split_k} " + note
         elif kernel != "xla int8":
           note = "default config " + note

@@ -267,7 +267,8 @@ def _plan_mosaic(lhs, rhs, dimension_numbers):
   if not 1 <= x.shape[0] <= _mosaic.MAX_M or x.shape[1] == 0:
     raise _Unsupported(f"M={x.shape[0]} (the Mosaic kernel serves M in 1..{_mosaic.MAX_M})")
   w = _mosaic.prepare_mosaic_weight(_canonical_operand(rhs.qvalue, rc, rfree), rhs.qtype.name,
-                                    scale=s, order="int8" if x.dtype == jnp.int8 else "float")
+                                    scale=s, order="int8" if x.dtype == jnp.int8 else "float",
+                                    tiles=None)  # repacked per call: no extra transpose
   out_shape = tuple(lhs.shape[a] for a in lfree) + tuple(rhs.shape[a] for a in rfree)
   return x, x_scale, w, out_shape
 

@@ -157,6 +157,20 @@ def unpermute_columns(stored, qtype: str, order: str = "float"):
   return jnp.take(jnp.asarray(stored), jnp.asarray(inverse), axis=-1)
 
 
+def tile_major(data, rows: int, cols: int):
+  """(N, C) stored weights -> (N * C // cols, cols): the (rows, cols) tiles one
+  after another, row band by row band and along C within a band (each tile
+  contiguous; tile ``(i, j)`` is row block ``i * (C // cols) + j``)."""
+  n, c = data.shape
+  return data.reshape(n // rows, rows, c // cols, cols).transpose(0, 2, 1, 3).reshape(-1, cols)
+
+
+def untile(data, n: int, rows: int, cols: int):
+  """Inverse of :func:`tile_major` for ``n`` rows."""
+  c = data.shape[0] * cols // n
+  return data.reshape(n // rows, c // cols, rows, cols).transpose(0, 2, 1, 3).reshape(n, c)
+
+
 def pack_binary(values, order: str = "float") -> jnp.ndarray:
   """(N, K) binary values (> 0 means +1) -> (N, K // 8) int8 bytes in storage order.
 

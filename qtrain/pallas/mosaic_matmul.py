@@ -124,6 +124,9 @@ class MosaicWeight:
     order: the activations the storage order is laid out for (static):
       "float" (bf16/f16) or "int8". Either serves both; the other kind of
       activations is permuted along K per call.
+    tiles: None (rows of ``data`` are weight rows), or the (CTA rows,
+      tile_k) tiles the weights are stored in, each tile contiguous, in the
+      order the kernel streams them (static; :func:`prepare_mosaic_weight`).
   """
 
   data: jax.Array
@@ -132,22 +135,41 @@ class MosaicWeight:
   n: int
   k: int
   order: str = "float"
+  tiles: tuple[int, int] | None = None
 
   @property
   def n_pad(self) -> int:
-    return self.data.shape[0]
+    return _common.round_up(self.n, N_ALIGN)
 
   @property
   def k_pad(self) -> int:
-    return self.data.shape[1] * (8 if self.qtype == "binary" else 1)
+    return _common.round_up(self.k, K_ALIGN)
 
 
 jax.tree_util.register_dataclass(MosaicWeight, data_fields=["data", "w_scale"],
-                                 meta_fields=["qtype", "n", "k", "order"])
+                                 meta_fields=["qtype", "n", "k", "order", "tiles"])
+
+TILES = tuple((2 * r, tk) for r in WG_ROWS for tk in TILE_KS)  # (CTA rows, tile_k) storage tiles
+
+
+def auto_tiles(qtype: str, n: int, num_sms: int | None = None) -> tuple[int, int] | None:
+  """What ``prepare_mosaic_weight(..., tiles="auto")`` stores for N output channels
+  (for decode sizes: the tiles bound M, see :func:`prepare_mosaic_weight`).
+
+  Large layers (more 128-row tiles than SMs, where :func:`default_config`
+  takes 256-row CTA tiles with tile_k 256): (256, 256) tiles, measured 3-5%
+  faster than row-major for int4 and int8 weights on the (8192, 28672) layer
+  (benchmarks/RESULTS.md, "tile-major weights"). Smaller layers: None
+  (row-major; tile-major measured equal or slower at (4096, 4096)).
+  """
+  del qtype  # the measured choice is the same for every qtype
+  if _common.round_up(n, N_ALIGN) // (_WGS * 64) > (num_sms or _num_sms()):
+    return (_WGS * 128, 256)
+  return None
 
 
 def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None,
-                          order: str = "float") -> MosaicWeight:
+                          order: str = "float", tiles=None) -> MosaicWeight:
   """Lays out quantized weights (N, K) for :func:`mosaic_matmul` (jit-friendly).
 
   Args:
@@ -158,6 +180,13 @@ def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None,
     order: the activations the weights will mostly meet: "float" (bf16/f16)
       or "int8". Both kinds run with either; the order saves the other
       kind's per-call permutation of the activations.
+    tiles: None (row-major), "auto" (:func:`auto_tiles`: tile by tile for
+      large layers), or (CTA rows, tile_k) from :data:`TILES`: store the
+      weights tile by tile, each tile one contiguous block in the order the
+      kernel streams them (fewer DRAM pages per TMA copy). Configs must then
+      use these tiles, which bounds M by shared memory: (256, 256) tiles take
+      M <= 48 (int8 weights, bf16 activations) to 128 (binary, int8
+      activations); row-major weights take every M <= :data:`MAX_M`.
 
   Returns:
     A :class:`MosaicWeight` (N padded to a multiple of 256, K to 512; padded
@@ -172,30 +201,42 @@ def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None,
   if values.ndim != 2:
     raise ValueError(f"weights must be 2-D (N, K); got shape {values.shape}")
   n, k = values.shape
+  if tiles == "auto":
+    tiles = auto_tiles(qtype, n)
+  if tiles is not None:
+    tiles = tuple(tiles)
+    if tiles not in TILES or (qtype == "binary" and tiles[1] < 256):
+      raise ValueError(f"tiles={tiles}: valid (CTA rows, tile_k) are {TILES} (binary: tile_k >= 256), "
+                       f"'auto' or None")
   n_pad, k_pad = _common.round_up(n, N_ALIGN), _common.round_up(k, K_ALIGN)
   values = jnp.pad(values.astype(jnp.int8), ((0, n_pad - n), (0, k_pad - k)))
   if qtype == "binary":
     data = mosaic_layout.pack_binary(values, order)
   else:
     data = mosaic_layout.permute_columns(values, qtype, order)
-    if qtype == "int4":
-      data = data.astype(jnp.int4)
+  if tiles is not None:
+    data = mosaic_layout.tile_major(data, tiles[0], data.shape[1] * tiles[1] // k_pad)
+  if qtype == "int4":
+    data = data.astype(jnp.int4)
   w_scale = None
   if scale is not None:
     s = jnp.asarray(scale, jnp.float32).reshape(-1)
     if s.shape[0] not in (1, n):
       raise ValueError(f"per-channel scale has {s.shape[0]} entries; expected 1 or {n=}")
     w_scale = jnp.broadcast_to(s, (n,))
-  return MosaicWeight(data=data, w_scale=w_scale, qtype=qtype, n=n, k=k, order=order)
+  return MosaicWeight(data=data, w_scale=w_scale, qtype=qtype, n=n, k=k, order=order, tiles=tiles)
 
 
 def mosaic_weight_values(w: MosaicWeight) -> jax.Array:
   """The (N, K) int8 codes a :class:`MosaicWeight` holds (its storage order undone;
   binary as +-1): what :func:`prepare_mosaic_weight` was given, for XLA paths."""
+  data = w.data.astype(jnp.int8)
+  if w.tiles is not None:
+    data = mosaic_layout.untile(data, w.n_pad, w.tiles[0], _w_cols(w.qtype, w.tiles[1]))
   if w.qtype == "binary":
-    values = mosaic_layout.unpack_binary(w.data, w.k_pad, w.order)
+    values = mosaic_layout.unpack_binary(data, w.k_pad, w.order)
   else:
-    values = mosaic_layout.unpermute_columns(w.data.astype(jnp.int8), w.qtype, w.order)
+    values = mosaic_layout.unpermute_columns(data, w.qtype, w.order)
   return values[:w.n, :w.k]
 
 
@@ -224,6 +265,13 @@ def default_config(w: MosaicWeight, m: int, num_sms: int | None = None,
   sms = num_sms or _num_sms()
   ab = jnp.dtype(act_dtype).itemsize
   steps = 4 if w.qtype == "binary" else 3
+  if w.tiles is not None:  # the stored tiles; the deepest pipeline that fits
+    for st in range(steps, 1, -1):
+      cfg = MosaicConfig(tile_k=w.tiles[1], steps=st, wg_rows=w.tiles[0] // _WGS)
+      if smem_bytes(w.qtype, m, cfg, ab) <= SMEM_BYTES:
+        return with_split(w, cfg, sms)
+    raise ValueError(f"M={m}: weights stored in {w.tiles} tiles leave no {w.qtype} config that "
+                     f"fits in shared memory; prepare them with smaller tiles or tiles=None")
   if w.n_pad // (_WGS * 64) > sms:
     for st in range(steps, 1, -1):
       cfg = MosaicConfig(tile_k=256, steps=st, wg_rows=128)
@@ -248,6 +296,11 @@ def with_split(w: MosaicWeight, cfg: MosaicConfig, num_sms: int | None = None) -
   while tiles * split * 2 <= sms and w.k_pad % (cfg.tile_k * split * 2) == 0:
     split *= 2
   return dataclasses.replace(cfg, split_k=split)
+
+
+def _w_cols(qtype: str, tile_k: int) -> int:
+  """Stored columns of one tile_k step (binary: 8 weights per byte)."""
+  return tile_k // 8 if qtype == "binary" else tile_k
 
 
 def _num_sms() -> int:
@@ -300,6 +353,9 @@ def checked_config(x: jax.Array, w: MosaicWeight, config: MosaicConfig | None = 
     raise ValueError(f"K={w.k} (padded {w.k_pad}) with int8 activations could overflow the int32 "
                      f"accumulator; the Mosaic kernel takes K <= {A8_MAX_K} there")
   cfg = config or default_config(w, m, act_dtype=x.dtype)
+  if w.tiles is not None and (cfg.cta_rows, cfg.tile_k) != w.tiles:
+    raise ValueError(f"{cfg} has (CTA rows, tile_k) = {(cfg.cta_rows, cfg.tile_k)}; the weights "
+                     f"are stored in {w.tiles} tiles")
   if cfg.wg_rows * cfg.tile_k * x.dtype.itemsize > _MAX_A_BYTES:
     raise ValueError(f"wg_rows={cfg.wg_rows} x tile_k={cfg.tile_k} decodes more than "
                      f"{_MAX_A_BYTES // x.dtype.itemsize} {x.dtype} weights per warpgroup step "
@@ -336,9 +392,10 @@ def _matmul(x, w: MosaicWeight, x_scale, out_dtype, cfg: MosaicConfig, *,
     xs = jnp.ones((m,), jnp.float32) if x_scale is None else jnp.broadcast_to(
         jnp.asarray(x_scale, jnp.float32).reshape(-1), (m,))
     out = _kernel(w.data, xp, jnp.pad(ws, (0, w.n_pad - w.n)), jnp.pad(xs, (0, mp - m)),
-                  qtype=w.qtype, k_pad=w.k_pad, cfg=cfg, out_dtype=out_dtype)
+                  qtype=w.qtype, k_pad=w.k_pad, cfg=cfg, out_dtype=out_dtype,
+                  tile_major=w.tiles is not None)
     return out[:m, :w.n]
-  parts = _kernel(w.data, xp, qtype=w.qtype, k_pad=w.k_pad, cfg=cfg)
+  parts = _kernel(w.data, xp, qtype=w.qtype, k_pad=w.k_pad, cfg=cfg, tile_major=w.tiles is not None)
   acc = (parts[0] if cfg.split_k == 1 else parts.sum(0))[:w.n, :m].T
   if a8:
     acc = acc.astype(jnp.float32) * (1.0 / A8_FACTOR[w.qtype])
@@ -491,7 +548,7 @@ def _relabel(y, rows: int, tile_k: int, per: int):
 
 
 def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: str | None = None,
-            out_dtype=None) -> jax.Array:
+            out_dtype=None, tile_major: bool = False) -> jax.Array:
   """(Np, Kw) weights x (Mp, Kp) activations -> (split_k, Np, Mp) partial sums
   (f32; int32 for int8 activations); with ``scales`` = (w_scale (Np,), x_scale
   (Mp,)) f32 (split_k 1), the scaled (M, Np) ``out_dtype`` product instead:
@@ -499,7 +556,8 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
   casts, and stores it transposed to shared memory element by element for one
   TMA copy per warpgroup tile. ``x`` may have fewer rows than Mp (a multiple
   of 16; fewer than 8 or a multiple of 8, TMA's rule): the TMA loads zero-fill
-  the rest.
+  the rest. ``tile_major``: ``w`` stored by
+  :func:`qtrain.pallas.mosaic_layout.tile_major` in (CTA rows, tile_k) tiles.
 
   ``ablate`` (measurement only, wrong results; benchmarks/explore_mosaic.py):
   "stream" leaves each pipeline step empty (the TMA pipeline alone);
@@ -511,7 +569,7 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
   from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  n_pad = w.shape[0]
+  n_pad = w.shape[0] // (k_pad // cfg.tile_k) if tile_major else w.shape[0]
   mp = _common.round_up(x.shape[0], 16)  # TMA zero-fills the rows past x's
   tile_k, split = cfg.tile_k, cfg.split_k
   act = x.dtype
@@ -520,7 +578,7 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
   float_type = ir.BF16Type.get if act == jnp.bfloat16 else ir.F16Type.get
   one_bits = 0x3F80 if act == jnp.bfloat16 else 0x3C00
   bits = {"binary": 8, "int4": 4, "int8": 8}[qtype]
-  w_cols = tile_k // 8 if qtype == "binary" else tile_k
+  w_cols = _w_cols(qtype, tile_k)
   kpart = k_pad // split
   k_steps = kpart // tile_k
   rows = cfg.wg_rows
@@ -578,7 +636,8 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
     def pipeline(step, context):
       return plgpu.emit_pipeline_warp_specialized(
           step, grid=(k_steps,), memory_registers=40,
-          in_specs=[plgpu.BlockSpec((cta_rows, w_cols), lambda kk: (0, kk), transforms=w_tr,
+          in_specs=[plgpu.BlockSpec((cta_rows, w_cols), (lambda kk: (kk, 0)) if tile_major else (lambda kk: (0, kk)),
+                                    transforms=w_tr,
                                     memory_space=plgpu.SMEM),
                     plgpu.BlockSpec((mp, tile_k), lambda kk: (0, kk), transforms=x_tr,
                                     memory_space=plgpu.SMEM)],
@@ -633,7 +692,12 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
           plgpu.wgmma_wait(0)  # the slot is released when the step returns
           return acc
 
-        pipeline(step, context)(w_gmem.at[tile_rows, wks], x_gmem.at[:, ks], allocations=allocs)
+        if tile_major:  # tile (n_idx, kk) is row block n_idx * K steps + kk
+          first = (n_idx * (k_pad // tile_k) + s_idx * k_steps) * cta_rows
+          w_src = w_gmem.at[pl.ds(first, k_steps * cta_rows)]
+        else:
+          w_src = w_gmem.at[tile_rows, wks]
+        pipeline(step, context)(w_src, x_gmem.at[:, ks], allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -257,6 +257,29 @@ def test_mosaic_kernel_epilogue_matches_the_xla_epilogue(qtype, lo, hi, act, out
 
 
 @_needs_mosaic
+@pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
+@pytest.mark.parametrize("act", ["bfloat16", "int8"])
+@pytest.mark.parametrize("m,n,k,cfg", [
+    (16, 1000, 2048, mm.MosaicConfig(tile_k=256, steps=2, wg_rows=128)),  # kernel epilogue
+    (3, 700, 2048, mm.MosaicConfig(tile_k=512, steps=2, split_k=2)),  # split-K
+])
+def test_mosaic_gpu_tiled_weights_give_the_same_bits(qtype, lo, hi, act, m, n, k, cfg):
+  # Weights stored tile by tile stream the same values in the same order as row-major ones.
+  rng = np.random.default_rng(m + n + k + 4)
+  v = jnp.asarray(rng.integers(lo, hi, (n, k)), jnp.int8)
+  ws = jnp.asarray(rng.random(n) + 0.5, jnp.float32)
+  x = (jnp.asarray(rng.integers(-128, 128, (m, k)), jnp.int8) if act == "int8"
+       else _acts(rng, m, k, act))
+  order = "int8" if act == "int8" else "float"
+  run = lambda tiles: np.asarray(jax.jit(lambda x, w: mm.mosaic_matmul(x, w, config=cfg))(
+      x, mm.prepare_mosaic_weight(v, qtype, scale=ws, order=order, tiles=tiles)))
+  tiled = run((cfg.cta_rows, cfg.tile_k))
+  np.testing.assert_array_equal(tiled, run(None))
+  ref = mm.mosaic_matmul_reference(x, v, qtype, w_scale=ws)
+  assert _rel(tiled, ref) < (1e-6 if act == "int8" else FLOAT_BUDGET)
+
+
+@_needs_mosaic
 @pytest.mark.parametrize("qtype", mm.QTYPES)
 def test_auto_runs_a_mosaic_weight_on_the_kernel(qtype):
   # On the GPU "auto" runs a MosaicWeight through the Mosaic kernel: bit for bit

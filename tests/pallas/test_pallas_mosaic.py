@@ -252,6 +252,46 @@ def test_default_config_fits_and_tiles(qtype, n, k, m, act):
   assert tiles * cfg.split_k <= max(132, tiles)
 
 
+def test_tile_major_puts_each_tile_in_one_block():
+  data = np.arange(512 * 64).reshape(512, 64)
+  t = np.asarray(ml.tile_major(jnp.asarray(data), 256, 16))
+  assert t.shape == (512 * 64 // 16, 16)
+  # tile (i, j) is row block i * 4 + j
+  np.testing.assert_array_equal(t[(1 * 4 + 2) * 256:(1 * 4 + 3) * 256], data[256:512, 32:48])
+  np.testing.assert_array_equal(np.asarray(ml.untile(jnp.asarray(t), 512, 256, 16)), data)
+
+
+def test_tiled_weights_fix_the_config_tiles():
+  w = jax.eval_shape(lambda v: mm.prepare_mosaic_weight(v, "int4", tiles="auto"),
+                     jax.ShapeDtypeStruct((28672, 8192), jnp.int8))
+  assert w.tiles == mm.auto_tiles("int4", 28672) == (256, 256)
+  assert w.data.shape == (28672 * 8192 // 256, 256)
+  cfg = mm.default_config(w, 16, num_sms=132)
+  assert (cfg.cta_rows, cfg.tile_k) == w.tiles
+  small = jax.eval_shape(lambda v: mm.prepare_mosaic_weight(v, "binary", tiles="auto"),  # row-major here
+                         jax.ShapeDtypeStruct((4096, 4096), jnp.int8))
+  assert small.tiles is None and mm.auto_tiles("binary", 4096) is None
+  own = jax.eval_shape(lambda v: mm.prepare_mosaic_weight(v, "binary", tiles=(128, 512)),
+                       jax.ShapeDtypeStruct((4096, 4096), jnp.int8))
+  assert mm.default_config(own, 1, num_sms=132) == mm.MosaicConfig(tile_k=512, steps=4, split_k=4)
+  with pytest.raises(ValueError, match=r"the weights are stored in \(256, 256\) tiles"):
+    mm.checked_config(jnp.ones((16, 8192), jnp.int8), w, mm.MosaicConfig(tile_k=512, steps=2))
+  with pytest.raises(ValueError, match=r"tiles=\(256, 128\): valid"):
+    mm.prepare_mosaic_weight(jnp.ones((8, 512), jnp.int8), "binary", tiles=(256, 128))
+  with pytest.raises(ValueError, match=r"tiles=\(64, 256\): valid"):
+    mm.prepare_mosaic_weight(jnp.ones((8, 512), jnp.int8), "int8", tiles=(64, 256))
+  w8 = jax.eval_shape(lambda v: mm.prepare_mosaic_weight(v, "int8", tiles="auto"),
+                      jax.ShapeDtypeStruct((28672, 8192), jnp.int8))
+  assert mm.default_config(w8, 48).steps == 2  # the documented bound: M <= 48 with bf16 ...
+  with pytest.raises(ValueError, match=r"M=49: weights stored in \(256, 256\) tiles"):
+    mm.default_config(w8, 49)
+  assert mm.default_config(w8, 64, act_dtype=jnp.int8).steps == 2  # ... and 64 with int8 activations
+  big = jax.eval_shape(lambda v: mm.prepare_mosaic_weight(v, "int8", tiles=(256, 512)),
+                       jax.ShapeDtypeStruct((1024, 1024), jnp.int8))
+  with pytest.raises(ValueError, match=r"M=128: weights stored in \(256, 512\) tiles"):
+    mm.default_config(big, 128)
+
+
 def test_prepare_pads_and_lays_out():
   rng = np.random.default_rng(5)
   v = jnp.asarray(rng.integers(-8, 8, (300, 1000)), jnp.int8)
@@ -375,12 +415,14 @@ def test_plan_mosaic_takes_int8_activation_qarrays():
 
 @pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
 @pytest.mark.parametrize("order", ml.ORDERS)
-def test_mosaic_weight_values_undo_the_storage_order(qtype, lo, hi, order):
+@pytest.mark.parametrize("tiles", [None, (256, 256), (128, 512)])
+def test_mosaic_weight_values_undo_the_storage_order(qtype, lo, hi, order, tiles):
   v = np.random.default_rng(13).integers(lo, hi, (300, 1000)).astype(np.int8)
   if qtype == "binary":
     v = np.where(v > 0, 1, -1).astype(np.int8)
-  w = mm.prepare_mosaic_weight(jnp.asarray(v), qtype, scale=jnp.linspace(0.5, 1.5, 300), order=order)
-  assert w.order == order
+  w = mm.prepare_mosaic_weight(jnp.asarray(v), qtype, scale=jnp.linspace(0.5, 1.5, 300), order=order,
+                               tiles=tiles)
+  assert w.order == order and w.tiles == tiles and (w.n_pad, w.k_pad) == (512, 1024)
   back = mm.mosaic_weight_values(w)
   assert back.shape == (300, 1000) and back.dtype == jnp.int8
   np.testing.assert_array_equal(back, v)
