@@ -304,7 +304,7 @@ def _auto_mosaic(lhs, w, dimension_numbers, out_dtype) -> jax.Array:
   try:
     x, x_scale, w, out_shape = _plan_mosaic(lhs, w, dimension_numbers)
     cfg = _mosaic.checked_config(x, w)
-  except (_Unsupported, ValueError):
+  except (_Unsupported, _mosaic.UnsupportedCall):  # what the kernel cannot take runs on XLA
     return xla()
   kernel = lambda: _mosaic._matmul(x, w, x_scale, out_dtype, cfg).reshape(out_shape)
   return jax.lax.platform_dependent(cuda=kernel, default=xla)

@@ -74,6 +74,11 @@ _MAX_A_BYTES = 64 * 512 * 2  # decoded A fragment per warpgroup: 128 registers p
 _EPILOGUE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
+class UnsupportedCall(ValueError):
+  """The Mosaic kernel cannot take this call (activation dtype, M, K, or a
+  config that does not fit): ``implementation="auto"`` runs XLA instead."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MosaicConfig:
   """Tiling of the Mosaic kernel.
@@ -270,7 +275,7 @@ def default_config(w: MosaicWeight, m: int, num_sms: int | None = None,
       cfg = MosaicConfig(tile_k=w.tiles[1], steps=st, wg_rows=w.tiles[0] // _WGS)
       if smem_bytes(w.qtype, m, cfg, ab) <= SMEM_BYTES:
         return with_split(w, cfg, sms)
-    raise ValueError(f"M={m}: weights stored in {w.tiles} tiles leave no {w.qtype} config that "
+    raise UnsupportedCall(f"M={m}: weights stored in {w.tiles} tiles leave no {w.qtype} config that "
                      f"fits in shared memory; prepare them with smaller tiles or tiles=None")
   if w.n_pad // (_WGS * 64) > sms:
     for st in range(steps, 1, -1):
@@ -284,7 +289,7 @@ def default_config(w: MosaicWeight, m: int, num_sms: int | None = None,
     elif tile_k > (256 if w.qtype == "binary" else min(TILE_KS)):
       tile_k, steps = tile_k // 2, 3
     else:
-      raise ValueError(f"M={m}: no {w.qtype} config fits in shared memory")
+      raise UnsupportedCall(f"M={m}: no {w.qtype} config fits in shared memory")
   return with_split(w, MosaicConfig(tile_k=tile_k, steps=steps), sms)
 
 
@@ -337,38 +342,38 @@ def mosaic_matmul(x: jax.Array, w: MosaicWeight, *, x_scale=None, out_dtype=jnp.
 
 def checked_config(x: jax.Array, w: MosaicWeight, config: MosaicConfig | None = None) -> MosaicConfig:
   """The config :func:`mosaic_matmul` would run ``x`` with (``config`` or the
-  default); ValueError naming the problem where the kernel cannot take the call
-  (whatever the backend)."""
+  default); :class:`UnsupportedCall` naming the problem where the kernel cannot
+  take the call (whatever the backend), ValueError where ``x`` does not match ``w``."""
   if x.ndim != 2 or x.shape[1] != w.k:
     raise ValueError(f"x has shape {x.shape}; expected (M, {w.k})")
   if x.dtype not in ACT_DTYPES:
-    raise ValueError(f"activations of dtype {x.dtype}: the Mosaic kernel takes bfloat16, "
+    raise UnsupportedCall(f"activations of dtype {x.dtype}: the Mosaic kernel takes bfloat16, "
                      f"float16 or int8 (cast them, or use implementation='triton' for float32)")
   m = x.shape[0]
   if not 1 <= m <= MAX_M:
-    raise ValueError(f"M={m}: the Mosaic kernel serves decode sizes 1..{MAX_M}; use "
+    raise UnsupportedCall(f"M={m}: the Mosaic kernel serves decode sizes 1..{MAX_M}; use "
                      f"implementation='triton' or 'xla' for larger M")
   a8 = x.dtype == jnp.int8
   if a8 and w.k_pad > A8_MAX_K:
-    raise ValueError(f"K={w.k} (padded {w.k_pad}) with int8 activations could overflow the int32 "
+    raise UnsupportedCall(f"K={w.k} (padded {w.k_pad}) with int8 activations could overflow the int32 "
                      f"accumulator; the Mosaic kernel takes K <= {A8_MAX_K} there")
   cfg = config or default_config(w, m, act_dtype=x.dtype)
   if w.tiles is not None and (cfg.cta_rows, cfg.tile_k) != w.tiles:
-    raise ValueError(f"{cfg} has (CTA rows, tile_k) = {(cfg.cta_rows, cfg.tile_k)}; the weights "
+    raise UnsupportedCall(f"{cfg} has (CTA rows, tile_k) = {(cfg.cta_rows, cfg.tile_k)}; the weights "
                      f"are stored in {w.tiles} tiles")
   if cfg.wg_rows * cfg.tile_k * x.dtype.itemsize > _MAX_A_BYTES:
-    raise ValueError(f"wg_rows={cfg.wg_rows} x tile_k={cfg.tile_k} decodes more than "
+    raise UnsupportedCall(f"wg_rows={cfg.wg_rows} x tile_k={cfg.tile_k} decodes more than "
                      f"{_MAX_A_BYTES // x.dtype.itemsize} {x.dtype} weights per warpgroup step "
                      f"(register file); lower one")
   if w.qtype == "binary" and cfg.tile_k < 256:
-    raise ValueError(f"tile_k={cfg.tile_k}: binary weights need tile_k >= 256 (rows of at least "
+    raise UnsupportedCall(f"tile_k={cfg.tile_k}: binary weights need tile_k >= 256 (rows of at least "
                      f"32 bytes of packed bits per step)")
   need = smem_bytes(w.qtype, m, cfg, x.dtype.itemsize)
   if need > SMEM_BYTES:
-    raise ValueError(f"{cfg} at M={m} needs {need} bytes of shared memory "
+    raise UnsupportedCall(f"{cfg} at M={m} needs {need} bytes of shared memory "
                      f"(limit {SMEM_BYTES}); use fewer steps or a smaller tile_k")
   if w.k_pad % (cfg.tile_k * cfg.split_k):
-    raise ValueError(f"{cfg} does not tile K={w.k_pad} (padded): tile_k * split_k must divide it")
+    raise UnsupportedCall(f"{cfg} does not tile K={w.k_pad} (padded): tile_k * split_k must divide it")
   return cfg
 
 

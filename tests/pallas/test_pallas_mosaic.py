@@ -292,6 +292,24 @@ def test_tiled_weights_fix_the_config_tiles():
     mm.default_config(big, 128)
 
 
+def test_unsupported_calls_are_told_apart_from_wrong_ones():
+  # "auto" falls back to XLA on UnsupportedCall only; a mismatched x is the caller's error.
+  w = mm.prepare_mosaic_weight(jnp.ones((8, 512), jnp.int8), "int8")
+  for x in (jnp.ones((4, 512), jnp.float32), jnp.ones((129, 512), jnp.bfloat16)):
+    with pytest.raises(mm.UnsupportedCall):
+      mm.checked_config(x, w)
+  with pytest.raises(mm.UnsupportedCall, match="shared memory"):
+    mm.checked_config(jnp.ones((37, 512), jnp.bfloat16), w, mm.MosaicConfig(tile_k=256, steps=4))
+  with pytest.raises(ValueError, match=r"expected \(M, 512\)") as e:
+    mm.checked_config(jnp.ones((4, 256), jnp.bfloat16), w)
+  assert not isinstance(e.value, mm.UnsupportedCall)
+  # auto on f32 activations (which the kernel does not take) runs XLA: the exact product
+  x = jax.random.normal(jax.random.key(9), (4, 512))
+  got = dispatch.quantized_dot_general(x, w, (((1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32, implementation="auto")
+  np.testing.assert_allclose(np.asarray(got), np.asarray(x) @ np.ones((512, 8)), rtol=1e-5)
+
+
 def test_prepare_pads_and_lays_out():
   rng = np.random.default_rng(5)
   v = jnp.asarray(rng.integers(-8, 8, (300, 1000)), jnp.int8)
