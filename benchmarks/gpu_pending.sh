@@ -12,6 +12,7 @@
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 8   # Mosaic int8 activations: tests, table, grid
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 9   # Mosaic ablations, 128x512 int8-activation tiles, GPU suite
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 10  # Mosaic ablations (fixed), A8 kernel table at 4096^2
+#   OUT=/tmp/out bash benchmarks/gpu_pending.sh 11  # GPU suite; Mosaic row-major vs tile-major, M = 64 table
 #
 # Needs qwix as a wheel in .whl/ for the qwix rows (see benchmarks/RESULTS.md).
 set -u
@@ -55,6 +56,11 @@ timeout 150 python3 benchmarks/explore_mosaic.py --ablate --json "$OUT/mosaic_ab
 timeout 200 python3 benchmarks/kernels.py --ms 1,16,64 --shapes 4096x4096 --budget-s 180 --check \
   --kernels "binary W1A8,int8 x int8,mosaic W1A16,mosaic W1A8,mosaic W4A16,mosaic W4A8,mosaic W8A16,mosaic W8A8" \
   --json "$OUT/kernels_a8_4096.json" 2>&1 | grep -v Warn | tee "$OUT/kernels_a8_4096.log" | tail -30
+elif [ "$PART" = 11 ]; then
+timeout 330 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider tests 2>&1 | grep -v Warn | tail -8 | tee "$OUT/gpu_tests_tiles.log"
+timeout 250 python3 benchmarks/kernels.py --ms 16,1 --shapes 8192x28672 --budget-s 220 --check \
+  --kernels "mosaic W1A8,mosaic W1A8 tiled,mosaic W4A8,mosaic W4A8 tiled,mosaic W8A8,mosaic W8A8 tiled,mosaic W8A16,mosaic W8A16 tiled" \
+  --json "$OUT/kernels_tiles.json" 2>&1 | grep -v Warn | tee "$OUT/kernels_tiles.log" | grep "^|"
 elif [ "$PART" = 7 ]; then
 timeout 330 python3 benchmarks/train_step.py --widths 4096 --tokens 8192 --steps 10 --repeats 3 \
   --configs bf16,qtrain_fp8_nosr_xla,qwix_fp8 --json "$OUT/step_fp8_xla.json" 2>&1 | grep -v Warning | tee "$OUT/step_fp8_xla.log" | tail -9

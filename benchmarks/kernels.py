@@ -13,6 +13,9 @@ measured copy bandwidth, TFLOP/s and its fraction of the measured bf16 peak.
 --explore tries several block configs per kernel and shape (at --explore-ms) and
 uses the best (printing them to paste into the kernels' CONFIGS tables).
 --merge a.json b.json ... renders one table from several --json outputs.
+"mosaic ..." kernels run on weights laid out for their activations (order="int8"
+for the A8 ones); "mosaic ... tiled" on the same weights stored tile by tile
+(prepare_mosaic_weight(tiles="auto"): row-major where "auto" keeps it so).
 """
 
 from __future__ import annotations
