@@ -276,7 +276,7 @@ def default_config(w: MosaicWeight, m: int, num_sms: int | None = None,
       if smem_bytes(w.qtype, m, cfg, ab) <= SMEM_BYTES:
         return with_split(w, cfg, sms)
     raise UnsupportedCall(f"M={m}: weights stored in {w.tiles} tiles leave no {w.qtype} config that "
-                     f"fits in shared memory; prepare them with smaller tiles or tiles=None")
+                          f"fits in shared memory; prepare them with smaller tiles or tiles=None")
   if w.n_pad // (_WGS * 64) > sms:
     for st in range(steps, 1, -1):
       cfg = MosaicConfig(tile_k=256, steps=st, wg_rows=128)
@@ -348,30 +348,30 @@ def checked_config(x: jax.Array, w: MosaicWeight, config: MosaicConfig | None = 
     raise ValueError(f"x has shape {x.shape}; expected (M, {w.k})")
   if x.dtype not in ACT_DTYPES:
     raise UnsupportedCall(f"activations of dtype {x.dtype}: the Mosaic kernel takes bfloat16, "
-                     f"float16 or int8 (cast them, or use implementation='triton' for float32)")
+                          f"float16 or int8 (cast them, or use implementation='triton' for float32)")
   m = x.shape[0]
   if not 1 <= m <= MAX_M:
     raise UnsupportedCall(f"M={m}: the Mosaic kernel serves decode sizes 1..{MAX_M}; use "
-                     f"implementation='triton' or 'xla' for larger M")
+                          f"implementation='triton' or 'xla' for larger M")
   a8 = x.dtype == jnp.int8
   if a8 and w.k_pad > A8_MAX_K:
     raise UnsupportedCall(f"K={w.k} (padded {w.k_pad}) with int8 activations could overflow the int32 "
-                     f"accumulator; the Mosaic kernel takes K <= {A8_MAX_K} there")
+                          f"accumulator; the Mosaic kernel takes K <= {A8_MAX_K} there")
   cfg = config or default_config(w, m, act_dtype=x.dtype)
   if w.tiles is not None and (cfg.cta_rows, cfg.tile_k) != w.tiles:
     raise UnsupportedCall(f"{cfg} has (CTA rows, tile_k) = {(cfg.cta_rows, cfg.tile_k)}; the weights "
-                     f"are stored in {w.tiles} tiles")
+                          f"are stored in {w.tiles} tiles")
   if cfg.wg_rows * cfg.tile_k * x.dtype.itemsize > _MAX_A_BYTES:
     raise UnsupportedCall(f"wg_rows={cfg.wg_rows} x tile_k={cfg.tile_k} decodes more than "
-                     f"{_MAX_A_BYTES // x.dtype.itemsize} {x.dtype} weights per warpgroup step "
-                     f"(register file); lower one")
+                          f"{_MAX_A_BYTES // x.dtype.itemsize} {x.dtype} weights per warpgroup step "
+                          f"(register file); lower one")
   if w.qtype == "binary" and cfg.tile_k < 256:
     raise UnsupportedCall(f"tile_k={cfg.tile_k}: binary weights need tile_k >= 256 (rows of at least "
-                     f"32 bytes of packed bits per step)")
+                          f"32 bytes of packed bits per step)")
   need = smem_bytes(w.qtype, m, cfg, x.dtype.itemsize)
   if need > SMEM_BYTES:
     raise UnsupportedCall(f"{cfg} at M={m} needs {need} bytes of shared memory "
-                     f"(limit {SMEM_BYTES}); use fewer steps or a smaller tile_k")
+                          f"(limit {SMEM_BYTES}); use fewer steps or a smaller tile_k")
   if w.k_pad % (cfg.tile_k * cfg.split_k):
     raise UnsupportedCall(f"{cfg} does not tile K={w.k_pad} (padded): tile_k * split_k must divide it")
   return cfg
@@ -400,7 +400,8 @@ def _matmul(x, w: MosaicWeight, x_scale, out_dtype, cfg: MosaicConfig, *,
                   qtype=w.qtype, k_pad=w.k_pad, cfg=cfg, out_dtype=out_dtype,
                   tile_major=w.tiles is not None)
     return out[:m, :w.n]
-  parts = _kernel(w.data, xp, qtype=w.qtype, k_pad=w.k_pad, cfg=cfg, tile_major=w.tiles is not None)
+  parts = _kernel(w.data, xp, qtype=w.qtype, k_pad=w.k_pad, cfg=cfg,
+                  tile_major=w.tiles is not None)
   acc = (parts[0] if cfg.split_k == 1 else parts.sum(0))[:w.n, :m].T
   if a8:
     acc = acc.astype(jnp.float32) * (1.0 / A8_FACTOR[w.qtype])
@@ -632,6 +633,9 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
         c = arith.addi(col, arith.constant(index, e)) if e else col
         memref.store(val, o_ref, [wgi, c, row])
 
+  # tile_major: tile (n, kk) of a row band is row block kk of the band's slice below
+  w_index = (lambda kk: (kk, 0)) if tile_major else (lambda kk: (0, kk))
+
   def body(w_gmem, x_gmem, *refs, o_smem):
     if fused:
       ws_gmem, xs_gmem, o_gmem = refs
@@ -641,8 +645,7 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
     def pipeline(step, context):
       return plgpu.emit_pipeline_warp_specialized(
           step, grid=(k_steps,), memory_registers=40,
-          in_specs=[plgpu.BlockSpec((cta_rows, w_cols), (lambda kk: (kk, 0)) if tile_major else (lambda kk: (0, kk)),
-                                    transforms=w_tr,
+          in_specs=[plgpu.BlockSpec((cta_rows, w_cols), w_index, transforms=w_tr,
                                     memory_space=plgpu.SMEM),
                     plgpu.BlockSpec((mp, tile_k), lambda kk: (0, kk), transforms=x_tr,
                                     memory_space=plgpu.SMEM)],
@@ -674,7 +677,8 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             if fused:
               row0 = n_idx * cta_rows + wg * rows
-              ws = plgpu.load(ws_gmem.at[pl.ds(row0, rows)], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+              ws = plgpu.load(ws_gmem.at[pl.ds(row0, rows)],
+                              layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
               xs = plgpu.load(xs_gmem, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
               r = res.astype(jnp.float32)
               if a8:
@@ -682,7 +686,8 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
               r = r * ws[:, None] * xs[None, :]
               store_transposed(r.astype(out_dtype), o_smem)
               plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(o_smem.at[wg].at[:x.shape[0]], o_gmem.at[:, pl.ds(row0, rows)])
+              plgpu.copy_smem_to_gmem(o_smem.at[wg].at[:x.shape[0]],
+                                      o_gmem.at[:, pl.ds(row0, rows)])
             else:
               o_smem[wg] = res
               plgpu.commit_smem()
