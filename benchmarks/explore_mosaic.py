@@ -16,7 +16,9 @@ they finish and the JSON is rewritten after each.
 ``--ablate`` instead times the default config of each kernel at M = 16,
 (K, N) = (8192, 28672) three ways: as shipped, with its decode skipped (int8
 activations: the loaded words go to wgmma as they are) and with empty pipeline
-steps (the TMA stream alone); the differences say where the time goes.
+steps (the TMA stream alone); the differences say where the time goes. Binary
+weights with int8 activations add a fourth: a one-AND decode per register
+(the ALU cost of a bit-plane decode).
 
 GPU only (Hopper, jax >= 0.11).
 """
@@ -110,6 +112,8 @@ def run_ablation(a: argparse.Namespace) -> None:
       modes = [None, "stream"]
       if act == jnp.int8 and qtype != "int8":
         modes.insert(1, "no_decode")
+      if act == jnp.int8 and qtype == "binary":
+        modes.insert(1, "one_op")
       for mode in modes:
         # x first: time_in_loop perturbs its first argument every call
         f = jax.jit(lambda x, w, mode=mode, cfg=cfg, qtype=qtype: mm._kernel(

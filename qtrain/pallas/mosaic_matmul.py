@@ -567,9 +567,13 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
 
   ``ablate`` (measurement only, wrong results; benchmarks/explore_mosaic.py):
   "stream" leaves each pipeline step empty (the TMA pipeline alone);
-  "no_decode" (int8 activations) feeds the loaded words to wgmma undecoded.
+  "no_decode" (int8 activations) feeds the loaded words to wgmma undecoded;
+  "one_op" (binary weights, int8 activations) decodes each register with one
+  AND (``word & (0x80808080 >> t)``) instead of a shift and a ``lop3``: the
+  ALU cost of a bit-plane decode, without its per-plane accumulators.
   """
   from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith
   from jax.experimental import pallas as pl
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jax.experimental.mosaic import gpu as mgpu
@@ -608,6 +612,10 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
   def decode(ctx, ref):
     del ctx
     q = mgpu.FragmentedArray.load_tiled(ref, swizzle=w_swizzle, is_signed=True, layout=load_layout)
+    if a8 and qtype == "binary" and ablate == "one_op":
+      i32 = ir.IntegerType.get_signless(32)
+      return _int8_fragment(q, rows, tile_k, 8, lambda word, t: arith.andi(
+          word, mgpu.utils.c(_i32(0x80808080 >> t), i32)))
     if a8 and ablate == "no_decode":
       per = 8 if qtype == "binary" else 2
       return _int8_fragment(q, rows, tile_k, per, lambda word, j: word)
