@@ -377,16 +377,8 @@ def checked_config(x: jax.Array, w: MosaicWeight, config: MosaicConfig | None = 
   return cfg
 
 
-def plane_order(tile_k: int) -> np.ndarray:
-  """``old[p]``: the K position (within a tile_k step) the shipped binary A8 decode uses
-  for the weight the bit-plane decode puts at position ``p`` (plane t's tile_k / 8 columns,
-  from the step's tile_k / 128 words per thread row, then plane t + 1's)."""
-  return np.array([128 * c + 16 * t + 4 * q + v for t in range(8)
-                   for c in range(tile_k // 128) for q in range(4) for v in range(4)])
-
-
 def _matmul(x, w: MosaicWeight, x_scale, out_dtype, cfg: MosaicConfig, *,
-            fuse_epilogue: bool = True, planes: bool = False) -> jax.Array:
+            fuse_epilogue: bool = True) -> jax.Array:
   """:func:`mosaic_matmul` after its checks (traceable off a GPU, e.g. as the
   CUDA branch of ``lax.platform_dependent``). Without split-K the kernel's
   epilogue applies the scales and writes the (M, N) output; with it (or with
@@ -398,19 +390,6 @@ def _matmul(x, w: MosaicWeight, x_scale, out_dtype, cfg: MosaicConfig, *,
   rows_in = m if m < 8 else _common.round_up(m, 8)
   xp = jnp.pad(x, ((0, rows_in - m), (0, w.k_pad - w.k)))
   xp = mosaic_layout.permute_activations(xp, w.qtype, w.order, "int8" if a8 else "float")
-  if planes:
-    assert a8 and w.qtype == "binary" and cfg.split_k == 1 and cfg.tile_k == 512
-    tk = cfg.tile_k
-    idx = (np.arange(w.k_pad // tk)[:, None] * tk + plane_order(tk)[None, :]).reshape(-1)
-    xp = jnp.take(xp, jnp.asarray(idx), axis=1)
-    ws = jnp.ones((w.n,), jnp.float32) if w.w_scale is None else w.w_scale
-    xs = jnp.ones((m,), jnp.float32) if x_scale is None else jnp.broadcast_to(
-        jnp.asarray(x_scale, jnp.float32).reshape(-1), (m,))
-    xsum = jnp.sum(x.astype(jnp.int32), axis=1)
-    out = _kernel(w.data, xp, jnp.pad(ws, (0, w.n_pad - w.n)), jnp.pad(xs, (0, mp - m)),
-                  jnp.pad(xsum, (0, mp - m)), qtype=w.qtype, k_pad=w.k_pad, cfg=cfg,
-                  out_dtype=out_dtype, tile_major=w.tiles is not None, planes=True)
-    return out[:m, :w.n]
   if fuse_epilogue and cfg.split_k == 1 and jnp.dtype(out_dtype) in _EPILOGUE_DTYPES:
     # scales, transpose and cast in the kernel's epilogue, in the XLA epilogue's order (same
     # bits); aligned shapes need no XLA op around the kernel
@@ -575,7 +554,7 @@ def _relabel(y, rows: int, tile_k: int, per: int):
 
 
 def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: str | None = None,
-            out_dtype=None, tile_major: bool = False, planes: bool = False) -> jax.Array:
+            out_dtype=None, tile_major: bool = False) -> jax.Array:
   """(Np, Kw) weights x (Mp, Kp) activations -> (split_k, Np, Mp) partial sums
   (f32; int32 for int8 activations); with ``scales`` = (w_scale (Np,), x_scale
   (Mp,)) f32 (split_k 1), the scaled (M, Np) ``out_dtype`` product instead:
@@ -622,9 +601,6 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
 
   w_tr = tiled(bits, w_cols, "lhs")
   x_tr = tiled(8 * act.itemsize, tile_k, "rhs")
-  pw = tile_k // 8  # bit-plane decode: each plane's wgmma reads a pw-column activation slice
-  if planes:
-    x_tr = plgpu.TilingTransform((8, pw)), plgpu.SwizzleTransform(pw)
   o_tr = tiled(32, mp, "out")
   w_swizzle = w_tr[1].swizzle
   load_layout = fa.WGMMA_LAYOUT_UPCAST_4X if qtype == "int4" else fa.WGMMA_LAYOUT_UPCAST_2X
@@ -651,35 +627,6 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
 
   fused = bool(scales)
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(w_tr),),
-                     return_type=tuple(plgpu.ShapeDtypeStruct((rows, pw), jnp.int8,
-                                                              layout=plgpu.Layout.WGMMA_8BIT)
-                                       for _ in range(8)))
-  def decode_planes(ctx, ref):
-    del ctx
-    q = mgpu.FragmentedArray.load_tiled(ref, swizzle=w_swizzle, is_signed=True, layout=load_layout)
-    i32 = ir.IntegerType.get_signless(32)
-    return tuple(_int8_fragment(q, rows, pw, 1, lambda word, _, t=t: arith.andi(
-        word, mgpu.utils.c(_i32(0x80808080 >> t), i32))) for t in range(8))
-
-  @plgpu.inline_mgpu(arg_types=tuple(plgpu.Layout.WGMMA for _ in range(8)),
-                     return_type=plgpu.ShapeDtypeStruct((rows, mp), jnp.int32,
-                                                        layout=plgpu.Layout.WGMMA))
-  def combine_planes(ctx, *accs):
-    """2 * sum_t S_t from acc_t = 2^(7-t) S_t (t = 0: -128 S_0), exact shifts."""
-    del ctx
-    from jax._src.lib.mlir.dialects import vector
-    i32 = ir.IntegerType.get_signless(32)
-    out = np.empty(accs[0].registers.shape, dtype=object)
-    for idx in np.ndindex(out.shape):
-      regs = [a.registers[idx] for a in accs]
-      k = lambda v: vector.broadcast(regs[0].type, mgpu.utils.c(v, i32))
-      tot = arith.addi(regs[6], arith.shli(regs[7], k(1)))
-      for t in range(1, 6):
-        tot = arith.addi(tot, arith.shrsi(regs[t], k(6 - t)))
-      out[idx] = arith.subi(tot, arith.shrsi(regs[0], k(6)))
-    return mgpu.FragmentedArray(_registers=out, _layout=accs[0].layout, _is_signed=True)
-
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
   def store_transposed(ctx, r, o_ref):
     """(rows, mp) fragment -> this warpgroup's (mp, rows) slot of ``o_ref``, element by element."""
@@ -698,9 +645,7 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
   w_index = (lambda kk: (kk, 0)) if tile_major else (lambda kk: (0, kk))
 
   def body(w_gmem, x_gmem, *refs, o_smem):
-    if fused and planes:
-      ws_gmem, xs_gmem, xsum_gmem, o_gmem = refs
-    elif fused:
+    if fused:
       ws_gmem, xs_gmem, o_gmem = refs
     else:
       (o_gmem,) = refs
@@ -733,16 +678,10 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
         wg_rows = pl.ds(wg * rows, rows)
 
         def context(run):
-          @functools.partial(pl.run_scoped, acc=tuple(
-              plgpu.ACC((rows, mp), acc_dtype) for _ in range(8 if planes else 1)))
+          @functools.partial(pl.run_scoped, acc=plgpu.ACC((rows, mp), acc_dtype))
           def _acc(acc):
             run(acc)
-            if planes:
-              res = combine_planes(*(a[...] for a in acc))
-              res = res - plgpu.load(xsum_gmem, layout=plgpu.Layout.WGMMA.reduce(0),
-                                     optimized=False)[None, :]
-            else:
-              res = acc[0][...]
+            res = acc[...]
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             if fused:
               row0 = n_idx * cta_rows + wg * rows
@@ -750,7 +689,7 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
                               layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
               xs = plgpu.load(xs_gmem, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
               r = res.astype(jnp.float32)
-              if a8 and not planes:
+              if a8:
                 r = r * (1.0 / A8_FACTOR[qtype])
               r = r * ws[:, None] * xs[None, :]
               store_transposed(r.astype(out_dtype), o_smem)
@@ -766,13 +705,8 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
           if ablate == "stream":
             return acc
           # int8 x int8: wgmma reads the weight tile from shared memory as stored
-          if planes:
-            for t, frag in enumerate(decode_planes(w_smem.at[wg_rows])):
-              plgpu.wgmma(acc[t], frag, x_smem.at[:, pl.ds(pw * t, pw)].transpose((1, 0)))
-            plgpu.wgmma_wait(0)
-            return acc
           lhs = w_smem.at[wg_rows] if a8 and qtype == "int8" else decode(w_smem.at[wg_rows])
-          plgpu.wgmma(acc[0], lhs, x_smem.transpose((1, 0)))
+          plgpu.wgmma(acc, lhs, x_smem.transpose((1, 0)))
           plgpu.wgmma_wait(0)  # the slot is released when the step returns
           return acc
 

@@ -192,39 +192,6 @@ def _a8_kernel_matrix(qtype, stored, cols):
   return a
 
 
-@pytest.mark.parametrize("order", ml.ORDERS)
-def test_bit_plane_decode_gives_the_dot(order):
-  # The experimental bit-plane path (binary weights, int8 activations, tile_k 512): plane t
-  # keeps bit 7 - t of each byte as b * 2^(7-t) (t = 0: -128 b) in its own (rows, 64)
-  # fragment; with the activations permuted by plane_order, sum_t acc_t / 2^(7-t) is the
-  # {0, 1} dot product S, and 2 S - sum(x) the +-1 one.
-  cols, pw = 512, 64
-  rng = np.random.default_rng(17)
-  w = np.where(rng.random((64, cols)) > 0.5, 1, -1)
-  stored = np.asarray(ml.pack_binary(w, order)).view(np.uint8)
-  words = {}
-  for (thread, reg, slot), (r, c) in fragment_map(fa.WGMMA_LAYOUT_UPCAST_2X, (64, cols // 8)).items():
-    words[(thread, reg)] = words.get((thread, reg), 0) | int(stored[r, c]) << (8 * slot)
-  eight = fragment_map(fa.WGMMA_LAYOUT_8BIT, (64, pw))
-  nd = len(fa.WGMMA_LAYOUT_8BIT.tiling.tile_shape((64, pw)))
-  a = np.full((64, cols), 999, np.int64)
-  for (thread, reg), word in words.items():
-    for t in range(8):
-      quad = np.array([word & (0x80808080 >> t)], np.uint32).view(np.int8)
-      for v in range(4):
-        r, kc = eight[(thread, mm.wgmma_register(reg, 0, 1, nd), v)]
-        a[r, pw * t + kc] = quad[v]
-  sigma = _sigma("binary", order, "int8", cols)[mm.plane_order(cols)]
-  b = (w[:, sigma] > 0).astype(np.int64)
-  scale = np.repeat([-128] + [2 ** (7 - t) for t in range(1, 8)], pw)
-  np.testing.assert_array_equal(a, b * scale[None, :])
-  x = rng.integers(-128, 128, (16, cols))
-  xp = x[:, sigma]
-  acc = [a[:, pw * t:pw * (t + 1)] @ xp[:, pw * t:pw * (t + 1)].T for t in range(8)]
-  two_s = acc[6] + (acc[7] << 1) + sum(acc[t] >> (6 - t) for t in range(1, 6)) - (acc[0] >> 6)
-  np.testing.assert_array_equal(two_s - x.sum(1)[None, :], w @ x.T)
-
-
 def test_int8_activation_check_has_teeth():
   # Unpermuted activations (or a wrong decode) break the product.
   cols = 256
