@@ -1,3 +1,13 @@
+"""Mosaic W4A8 / W1A8 at M = 16 and 1 on (8192, 28672): pipeline depth and tile_k,
+row-major against tile-major weights (``order="int8"``, 128-row warpgroups), each
+checked against the f32 reference, with XLA bf16 in the same run. GPU only.
+
+  PYTHONPATH=. python benchmarks/explore_tiles.py
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax, jax.numpy as jnp, numpy as np
 from benchmarks import _timing
 from qtrain.pallas import mosaic_matmul as mm
