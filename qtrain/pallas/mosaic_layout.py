@@ -35,6 +35,10 @@ paths: where the order does not match the activations,
 columns that makes the dot product come out unchanged (one gather of the
 small (M, K) activations per call).
 
+Independently of the column order, :func:`tile_major` stores the weights tile
+by tile (each (CTA rows, tile_k) tile one contiguous block, in the order the
+kernel streams them), so that every TMA copy reads one block.
+
 Example:
   >>> import numpy as np
   >>> from qtrain.pallas import mosaic_layout
@@ -42,6 +46,9 @@ Example:
   >>> stored = np.asarray(mosaic_layout.permute_columns(w, "int4"))
   >>> [int(v) for v in stored[0, :8]]  # thread quad 0's nibbles
   [0, 1, 8, 9, 16, 17, 24, 25]
+  >>> sigma = mosaic_layout.activation_permutation("int4", order="int8", act="int8")
+  >>> bool((sigma == np.arange(32)).all())  # laid out for int8 activations: no permutation
+  True
 """
 
 from __future__ import annotations

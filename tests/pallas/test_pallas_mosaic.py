@@ -469,3 +469,9 @@ def test_auto_runs_a_mosaic_weight_anywhere(qtype, act):
   with pytest.raises(ValueError, match="must contract lhs's last axis"):
     dispatch.quantized_dot_general(lhs, mw, (((2,), (0,)), ((), ())),
                                    preferred_element_type=jnp.float32, implementation="auto")
+
+
+def test_layout_docstring_examples_run():
+  import doctest
+  res = doctest.testmod(ml)
+  assert res.attempted >= 4 and res.failed == 0
