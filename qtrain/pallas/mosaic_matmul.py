@@ -157,7 +157,7 @@ jax.tree_util.register_dataclass(MosaicWeight, data_fields=["data", "w_scale"],
 TILES = tuple((2 * r, tk) for r in WG_ROWS for tk in TILE_KS)  # (CTA rows, tile_k) storage tiles
 
 
-def auto_tiles(qtype: str, n: int, num_sms: int | None = None) -> tuple[int, int] | None:
+def auto_tiles(n: int, num_sms: int | None = None) -> tuple[int, int] | None:
   """What ``prepare_mosaic_weight(..., tiles="auto")`` stores for N output channels
   (for decode sizes: the tiles bound M, see :func:`prepare_mosaic_weight`).
 
@@ -167,10 +167,12 @@ def auto_tiles(qtype: str, n: int, num_sms: int | None = None) -> tuple[int, int
   (benchmarks/RESULTS.md, "tile-major weights"). Smaller layers: None
   (row-major; tile-major measured equal or slower at (4096, 4096)).
   """
-  del qtype  # the measured choice is the same for every qtype
-  if _common.round_up(n, N_ALIGN) // (_WGS * 64) > (num_sms or _num_sms()):
-    return (_WGS * 128, 256)
-  return None
+  return (_WGS * 128, 256) if _large_layer(_common.round_up(n, N_ALIGN), num_sms) else None
+
+
+def _large_layer(n_pad: int, num_sms: int | None = None) -> bool:
+  """More 64-row-warpgroup CTA tiles than SMs: where the defaults take 256-row CTA tiles."""
+  return n_pad // (_WGS * 64) > (num_sms or _num_sms())
 
 
 def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None,
@@ -207,7 +209,7 @@ def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None,
     raise ValueError(f"weights must be 2-D (N, K); got shape {values.shape}")
   n, k = values.shape
   if tiles == "auto":
-    tiles = auto_tiles(qtype, n)
+    tiles = auto_tiles(n)
   if tiles is not None:
     tiles = tuple(tiles)
     if tiles not in TILES or (qtype == "binary" and tiles[1] < 256):
@@ -220,7 +222,7 @@ def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None,
   else:
     data = mosaic_layout.permute_columns(values, qtype, order)
   if tiles is not None:
-    data = mosaic_layout.tile_major(data, tiles[0], data.shape[1] * tiles[1] // k_pad)
+    data = mosaic_layout.tile_major(data, tiles[0], _w_cols(qtype, tiles[1]))
   if qtype == "int4":
     data = data.astype(jnp.int4)
   w_scale = None
@@ -277,7 +279,7 @@ def default_config(w: MosaicWeight, m: int, num_sms: int | None = None,
         return with_split(w, cfg, sms)
     raise UnsupportedCall(f"M={m}: weights stored in {w.tiles} tiles leave no {w.qtype} config that "
                           f"fits in shared memory; prepare them with smaller tiles or tiles=None")
-  if w.n_pad // (_WGS * 64) > sms:
+  if _large_layer(w.n_pad, sms):
     for st in range(steps, 1, -1):
       cfg = MosaicConfig(tile_k=256, steps=st, wg_rows=128)
       if smem_bytes(w.qtype, m, cfg, ab) <= SMEM_BYTES:

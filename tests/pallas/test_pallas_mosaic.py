@@ -264,13 +264,13 @@ def test_tile_major_puts_each_tile_in_one_block():
 def test_tiled_weights_fix_the_config_tiles():
   w = jax.eval_shape(lambda v: mm.prepare_mosaic_weight(v, "int4", tiles="auto"),
                      jax.ShapeDtypeStruct((28672, 8192), jnp.int8))
-  assert w.tiles == mm.auto_tiles("int4", 28672) == (256, 256)
+  assert w.tiles == mm.auto_tiles(28672) == (256, 256)
   assert w.data.shape == (28672 * 8192 // 256, 256)
   cfg = mm.default_config(w, 16, num_sms=132)
   assert (cfg.cta_rows, cfg.tile_k) == w.tiles
   small = jax.eval_shape(lambda v: mm.prepare_mosaic_weight(v, "binary", tiles="auto"),  # row-major here
                          jax.ShapeDtypeStruct((4096, 4096), jnp.int8))
-  assert small.tiles is None and mm.auto_tiles("binary", 4096) is None
+  assert small.tiles is None and mm.auto_tiles(4096) is None
   own = jax.eval_shape(lambda v: mm.prepare_mosaic_weight(v, "binary", tiles=(128, 512)),
                        jax.ShapeDtypeStruct((4096, 4096), jnp.int8))
   assert mm.default_config(own, 1, num_sms=132) == mm.MosaicConfig(tile_k=512, steps=4, split_k=4)
