@@ -122,15 +122,11 @@ class Operands:
     self.w4_values = jnp.clip(jnp.round(w / s4[:, None]), -8, 7).astype(jnp.int8)
     self.w4_scale = s4
     self.w4 = prepared.prepare_weight(self.w4_values, "int4", scale=s4, kn=True)
+    # Mosaic weights are prepared on first use (_mosaic_weight): 3 qtypes x 2 orders x 2 layouts
+    self.mosaic_codes = {"binary": (self.w_bin_values, absw), "int4": (self.w4_values, s4),
+                         "int8": (self.w8_values, self.w8_scale)}
     self.mosaic = {}
-    if m <= mm.MAX_M:
-      for name, (vals, sc) in {"binary": (self.w_bin_values, absw), "int4": (self.w4_values, s4),
-                               "int8": (self.w8_values, self.w8_scale)}.items():
-        for order in ("float", "int8"):  # laid out for the kernel's 16-bit or int8 activations
-          for tiles in ("rows", "auto"):  # row-major, or tile by tile
-            self.mosaic[name, order, tiles] = mm.prepare_mosaic_weight(
-                vals, name, scale=sc, order=order, tiles=None if tiles == "rows" else tiles)
-    jax.block_until_ready((self.w_bin, self.w8, self.packed, self.xw, self.w4, self.mosaic))
+    jax.block_until_ready((self.w_bin, self.w8, self.packed, self.xw, self.w4))
 
 
 def _mosaic_a8(kernel: str) -> bool:
@@ -138,9 +134,15 @@ def _mosaic_a8(kernel: str) -> bool:
 
 
 def _mosaic_weight(ops: Operands, kernel: str):
-  """The Mosaic kernel's weight for ``kernel``, in the storage order of its activations."""
-  return ops.mosaic[_MOSAIC_QTYPE[kernel], "int8" if _mosaic_a8(kernel) else "float",
-                    "auto" if kernel.endswith(" tiled") else "rows"]
+  """The Mosaic kernel's weight for ``kernel``, in the storage order of its activations
+  (row-major, or tile by tile for "... tiled"), prepared once per Operands."""
+  key = (_MOSAIC_QTYPE[kernel], "int8" if _mosaic_a8(kernel) else "float",
+         "auto" if kernel.endswith(" tiled") else None)
+  if key not in ops.mosaic:
+    vals, scale = ops.mosaic_codes[key[0]]
+    ops.mosaic[key] = jax.block_until_ready(mm.prepare_mosaic_weight(
+        vals, key[0], scale=scale, order=key[1], tiles=key[2]))
+  return ops.mosaic[key]
 
 
 def kernel_fn(kernel: str, ops: Operands, config, method: str = "mma"):
