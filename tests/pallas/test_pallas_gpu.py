@@ -297,20 +297,25 @@ def test_auto_runs_a_mosaic_weight_on_the_kernel(qtype):
   np.testing.assert_array_equal(np.asarray(run("auto")), np.asarray(run("mosaic")))
 
 
+def _mosaic_and_xla(lhs, qtype, key):
+  """(wq, mosaic out, xla out) of lhs (2, 8, 512) x a random (512, 384) per-channel
+  ``qtype`` weight, through dispatch's "mosaic" and "xla" implementations."""
+  from qtrain.core import qarray as qa
+  from qtrain.pallas import dispatch
+  w = jax.random.normal(jax.random.key(key), (512, 384), jnp.float32)
+  wq = qa.quantize(w, qa.QuantizeSpec(qtype=qtype, channelwise_axes=(1,)))
+  run = lambda impl: dispatch.quantized_dot_general(
+      lhs, wq, (((2,), (0,)), ((), ())), preferred_element_type=jnp.float32, implementation=impl)
+  return wq, run("mosaic"), run("xla")
+
+
 @_needs_mosaic
 @pytest.mark.parametrize("qtype", mm.QTYPES)
 def test_dispatch_mosaic_int8_activations_matches_xla(qtype):
   from qtrain.core import qarray as qa
-  from qtrain.pallas import dispatch
   x = jax.random.normal(jax.random.key(2), (2, 8, 512), jnp.float32)
   xq = qa.quantize(x, qa.QuantizeSpec(qtype="int8", channelwise_axes=(0, 1)))
-  w = jax.random.normal(jax.random.key(3), (512, 384), jnp.float32)
-  wq = qa.quantize(w, qa.QuantizeSpec(qtype=qtype, channelwise_axes=(1,)))
-  dn = (((2,), (0,)), ((), ()))
-  a = dispatch.quantized_dot_general(xq, wq, dn, preferred_element_type=jnp.float32,
-                                     implementation="mosaic")
-  b = dispatch.quantized_dot_general(xq, wq, dn, preferred_element_type=jnp.float32,
-                                     implementation="xla")
+  _, a, b = _mosaic_and_xla(xq, qtype, key=3)
   assert a.shape == b.shape == (2, 8, 384)
   assert _rel(a, b) < 1e-6  # both integer products, scaled in f32
 
@@ -318,16 +323,8 @@ def test_dispatch_mosaic_int8_activations_matches_xla(qtype):
 @_needs_mosaic
 @pytest.mark.parametrize("qtype", mm.QTYPES)
 def test_dispatch_mosaic_matches_xla(qtype):
-  from qtrain.core import qarray as qa
-  from qtrain.pallas import dispatch
   x = jax.random.normal(jax.random.key(0), (2, 8, 512), jnp.bfloat16)
-  w = jax.random.normal(jax.random.key(1), (512, 384), jnp.float32)
-  wq = qa.quantize(w, qa.QuantizeSpec(qtype=qtype, channelwise_axes=(1,)))
-  dn = (((2,), (0,)), ((), ()))
-  a = dispatch.quantized_dot_general(x, wq, dn, preferred_element_type=jnp.float32,
-                                     implementation="mosaic")
-  b = dispatch.quantized_dot_general(x, wq, dn, preferred_element_type=jnp.float32,
-                                     implementation="xla")
+  wq, a, b = _mosaic_and_xla(x, qtype, key=1)
   exact = np.einsum("abk,kn->abn", np.asarray(x, np.float64),
                     np.asarray(wq.qvalue, np.float64) * np.asarray(wq.scale, np.float64))
   assert a.shape == b.shape == (2, 8, 384)
