@@ -68,23 +68,37 @@ def test_unpermuted_int4_would_not_fill_wgmma_fragments():
   assert sum(got[key] != w[r, c] for key, (r, c) in want.items()) > len(want) // 2
 
 
+def _loaded_words(load, shape, stored, slot_bits=8):
+  """{(thread, register): the 32-bit word it loads} of ``stored`` (``shape``) in the
+  upcast layout ``load``, and {(thread, register): the rows it holds}."""
+  words, rows = {}, {}
+  for (thread, reg, slot), (r, c) in fragment_map(load, shape).items():
+    val = int(stored[r, c]) & ((1 << slot_bits) - 1)
+    words[(thread, reg)] = words.get((thread, reg), 0) | val << (slot_bits * slot)
+    rows.setdefault((thread, reg), set()).add(r)
+  return words, rows
+
+
+def _binary_a16_slots(words, one_bits, act, nd):
+  """((thread, wgmma register, position), value) for every 16-bit slot the binary
+  decode (``binary_pair_bits``) fills from the loaded words."""
+  for (thread, reg), word in words.items():
+    for j in range(16):
+      pair = mm.binary_pair_bits(word, j, one_bits)
+      halves = np.array([pair & 0xFFFF, pair >> 16], np.uint16).view(act).astype(np.float64)
+      for pos in range(2):
+        yield (thread, mm.wgmma_register(reg, j, 16, nd), pos), halves[pos]
+
+
 @pytest.mark.parametrize("act,one_bits", [(ml_dtypes.bfloat16, 0x3F80), (np.float16, 0x3C00)])
 def test_binary_storage_and_decode_fill_wgmma_fragments(act, one_bits):
   cols = 256
   w = np.where(np.random.default_rng(3).random((64, cols)) > 0.5, 1, -1)
   stored = np.asarray(ml.pack_binary(w)).view(np.uint8)
   assert stored.shape == (64, cols // 8)
-  words = {}
-  for (thread, reg, slot), (r, c) in fragment_map(fa.WGMMA_LAYOUT_UPCAST_2X, (64, cols // 8)).items():
-    words[(thread, reg)] = words.get((thread, reg), 0) | int(stored[r, c]) << (8 * slot)
+  words, _ = _loaded_words(fa.WGMMA_LAYOUT_UPCAST_2X, (64, cols // 8), stored)
   want, nd = _wgmma_slots(cols)
-  got = {}
-  for (thread, reg), word in words.items():
-    for j in range(16):
-      pair = mm.binary_pair_bits(word, j, one_bits)
-      halves = np.array([pair & 0xFFFF, pair >> 16], np.uint16).view(act).astype(np.float32)
-      for pos in range(2):
-        got[(thread, mm.wgmma_register(reg, j, 16, nd), pos)] = halves[pos]
+  got = dict(_binary_a16_slots(words, one_bits, act, nd))
   assert got.keys() == want.keys()
   assert sum(got[key] != w[r, c] for key, (r, c) in want.items()) == 0
 
@@ -96,15 +110,9 @@ def _a16_kernel_matrix(qtype, stored, cols, one_bits=0x3F80, act=ml_dtypes.bfloa
   want, nd = _wgmma_slots(cols)
   a = np.full((64, cols), 999.0)
   if qtype == "binary":
-    words = {}
-    for (thread, reg, slot), (r, c) in fragment_map(fa.WGMMA_LAYOUT_UPCAST_2X, (64, cols // 8)).items():
-      words[(thread, reg)] = words.get((thread, reg), 0) | int(stored[r, c]) << (8 * slot)
-    for (thread, reg), word in words.items():
-      for j in range(16):
-        pair = mm.binary_pair_bits(word, j, one_bits)
-        halves = np.array([pair & 0xFFFF, pair >> 16], np.uint16).view(act).astype(np.float64)
-        for pos in range(2):
-          a[want[(thread, mm.wgmma_register(reg, j, 16, nd), pos)]] = halves[pos]
+    words, _ = _loaded_words(fa.WGMMA_LAYOUT_UPCAST_2X, (64, cols // 8), stored)
+    for key, value in _binary_a16_slots(words, one_bits, act, nd):
+      a[want[key]] = value
     return a
   upcast = fa.WGMMA_LAYOUT_UPCAST_4X if qtype == "int4" else fa.WGMMA_LAYOUT_UPCAST_2X
   per = 4 if qtype == "int4" else 2
@@ -174,11 +182,7 @@ def _a8_kernel_matrix(qtype, stored, cols):
   else:
     load, per, decode = fa.WGMMA_LAYOUT_UPCAST_4X, 2, mm.int4_int8_bits
     shape, slot_bits = (64, cols), 4
-  words, rows = {}, {}
-  for (thread, reg, slot), (r, c) in fragment_map(load, shape).items():
-    val = int(stored[r, c]) & ((1 << slot_bits) - 1)
-    words[(thread, reg)] = words.get((thread, reg), 0) | val << (slot_bits * slot)
-    rows.setdefault((thread, reg), set()).add(r)
+  words, rows = _loaded_words(load, shape, stored, slot_bits)
   eight = fragment_map(fa.WGMMA_LAYOUT_8BIT, (64, cols))
   nd = len(fa.WGMMA_LAYOUT_8BIT.tiling.tile_shape((64, cols)))
   a = np.full((64, cols), 999, np.int64)
