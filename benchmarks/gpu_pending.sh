@@ -13,6 +13,9 @@
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 9   # Mosaic ablations, 128x512 int8-activation tiles, GPU suite
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 10  # Mosaic ablations (fixed), A8 kernel table at 4096^2
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 11  # GPU suite; Mosaic row-major vs tile-major, M = 64 table
+#   OUT=/tmp/out bash benchmarks/gpu_pending.sh 12  # Mosaic int8 GEMM: GPU tests, auto threshold, M = 512 / 4096 table
+#   OUT=/tmp/out bash benchmarks/gpu_pending.sh 13  # training steps side by side with the Mosaic GEMM, D = 4096
+#   OUT=/tmp/out bash benchmarks/gpu_pending.sh 14  # GPU suite; training steps with the Mosaic GEMM, D = 1024
 #
 # Needs qwix as a wheel in .whl/ for the qwix rows (see benchmarks/RESULTS.md).
 set -u
@@ -61,6 +64,24 @@ timeout 330 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider tests 2>&1 | gr
 timeout 250 python3 benchmarks/kernels.py --ms 16,1 --shapes 8192x28672 --budget-s 220 --check \
   --kernels "mosaic W1A8,mosaic W1A8 tiled,mosaic W4A8,mosaic W4A8 tiled,mosaic W8A8,mosaic W8A8 tiled,mosaic W8A16,mosaic W8A16 tiled" \
   --json "$OUT/kernels_tiles.json" 2>&1 | grep -v Warn | tee "$OUT/kernels_tiles.log" | grep "^|"
+elif [ "$PART" = 12 ]; then
+timeout 240 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/pallas/test_pallas_gemm.py tests/test_core_gpu.py \
+  2>&1 | grep -v Warn | tail -8 | tee "$OUT/gpu_tests_gemm.log"
+timeout 200 python3 benchmarks/explore_gemm.py --configs "wg_axis=m;tile_m=64,tile_n=256,wg_axis=m" \
+  --shapes 512x4096x4096,1024x4096x4096,2048x4096x4096,4096x4096x4096,512x8192x28672,4096x8192x28672 \
+  2>&1 | grep -v Warn | tee "$OUT/explore_gemm.log" | grep "^|"
+timeout 150 python3 benchmarks/kernels.py --ms 512,4096 --check --budget-s 120 \
+  --kernels "int8 x int8,binary W1A8,mosaic gemm W8A8,mosaic gemm W1A8" \
+  --json "$OUT/kernels_gemm.json" 2>&1 | grep -v Warn | tee "$OUT/kernels_gemm.log" | grep "^|"
+elif [ "$PART" = 13 ]; then
+timeout 570 python3 benchmarks/train_step.py --widths 4096 --tokens 8192 --steps 10 --repeats 3 \
+  --configs bf16,qtrain_int8_lowbit,qtrain_int8_cublas,qwix_int8,qtrain_binary,qtrain_fp8_lowbit,qwix_fp8 \
+  --json "$OUT/step4096_gemm.json" 2>&1 | grep -v Warning | tee "$OUT/step4096_gemm.log" | tail -14
+elif [ "$PART" = 14 ]; then
+timeout 330 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider tests 2>&1 | grep -v Warn | tail -8 | tee "$OUT/gpu_tests_gemm_all.log"
+timeout 250 python3 benchmarks/train_step.py --widths 1024 --tokens 8192 --steps 10 --repeats 3 \
+  --configs bf16,qtrain_int8_lowbit,qtrain_int8_cublas,qwix_int8,qtrain_binary \
+  --json "$OUT/step1024_gemm.json" 2>&1 | grep -v Warning | tee "$OUT/step1024_gemm.log" | tail -10
 elif [ "$PART" = 7 ]; then
 timeout 330 python3 benchmarks/train_step.py --widths 4096 --tokens 8192 --steps 10 --repeats 3 \
   --configs bf16,qtrain_fp8_nosr_xla,qwix_fp8 --json "$OUT/step_fp8_xla.json" 2>&1 | grep -v Warning | tee "$OUT/step_fp8_xla.log" | tail -9

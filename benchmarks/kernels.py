@@ -13,6 +13,7 @@ measured copy bandwidth, TFLOP/s and its fraction of the measured bf16 peak.
 --explore tries several block configs per kernel and shape (at --explore-ms) and
 uses the best (printing them to paste into the kernels' CONFIGS tables).
 --merge a.json b.json ... renders one table from several --json outputs.
+"mosaic gemm ..." is the large-M int8 GEMM (qtrain.pallas.mosaic_gemm; M a multiple of 128).
 "mosaic ..." kernels run on weights laid out for their activations (order="int8"
 for the A8 ones); "mosaic ... tiled" on the same weights stored tile by tile
 (prepare_mosaic_weight(tiles="auto"): row-major where "auto" keeps it so).
@@ -39,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import _timing  # noqa: E402
 from qtrain.pallas import binary_matmul as bmm  # noqa: E402
 from qtrain.pallas import int8_matmul as imm  # noqa: E402
+from qtrain.pallas import mosaic_gemm as mg  # noqa: E402
 from qtrain.pallas import mosaic_matmul as mm  # noqa: E402
 from qtrain.pallas import nbit_matmul as nbm  # noqa: E402
 from qtrain.pallas import prepared  # noqa: E402
@@ -52,8 +54,10 @@ _MOSAIC_QTYPE = {"mosaic W1A16": "binary", "mosaic W4A16": "int4", "mosaic W8A16
                  "mosaic W1A8": "binary", "mosaic W4A8": "int4", "mosaic W8A8": "int8"}
 # "... tiled": the same kernel on weights stored tile by tile (prepare_mosaic_weight(tiles="auto"))
 _MOSAIC_QTYPE.update({f"{k} tiled": v for k, v in list(_MOSAIC_QTYPE.items())})
+# The Mosaic int8 GEMM (large M; operands as int8 codes, binary weights as +-1) and its weights.
+_GEMM_QTYPE = {"mosaic gemm W8A8": "int8", "mosaic gemm W1A8": "binary"}
 KERNELS = ("binary W1A16", "binary W1A8", "binary W1A1", "int2 W2A16 g128", "int4 W4A16 g128",
-           "int4 W4A16", "int8 W8A16", "int8 x int8") + tuple(_MOSAIC_QTYPE)
+           "int4 W4A16", "int8 W8A16", "int8 x int8") + tuple(_MOSAIC_QTYPE) + tuple(_GEMM_QTYPE)
 
 
 def weight_bytes(kernel: str, n: int, k: int) -> float:
@@ -62,6 +66,8 @@ def weight_bytes(kernel: str, n: int, k: int) -> float:
     return 2 * n * k
   if kernel in _MOSAIC_QTYPE:
     return n * k * {"binary": 1, "int4": 4, "int8": 8}[_MOSAIC_QTYPE[kernel]] / 8 + 4 * n
+  if kernel in _GEMM_QTYPE:
+    return n * k + 4 * n  # int8 codes
   if kernel == "int4 W4A16":
     return n * k / 2 + 4 * n
   if kernel.startswith("binary"):
@@ -75,8 +81,8 @@ def weight_bytes(kernel: str, n: int, k: int) -> float:
 
 def candidates(kernel: str, m: int, n: int, k: int) -> list[BlockConfig | None]:
   """Block configs tried by --explore (and when a default config fails)."""
-  if kernel in _MOSAIC_QTYPE:
-    return [None]  # explored in benchmarks/explore_mosaic.py
+  if kernel in _MOSAIC_QTYPE or kernel in _GEMM_QTYPE:
+    return [None]  # explored in benchmarks/explore_mosaic.py / explore_gemm.py
   if m <= 64:
     bm = 16 if m <= 16 else 64
     if n >= 16384:
@@ -182,6 +188,10 @@ def kernel_fn(kernel: str, ops: Operands, config, method: str = "mma"):
   if kernel == "int8 x int8":
     return (lambda x, w, s: imm.int8_matmul(x, w, x_scale=s, out_dtype=out, config=config)), (
         ops.xq, ops.w8, ops.xs)
+  if kernel in _GEMM_QTYPE:
+    vals, scale = ops.mosaic_codes[_GEMM_QTYPE[kernel]]
+    return (lambda x, w, s, ws: mg.mosaic_gemm(x, w, a_scale=s, b_scale=ws, out_dtype=out,
+                                               config=config)), (ops.xq, vals, ops.xs, scale)
   raise ValueError(kernel)
 
 
@@ -209,6 +219,9 @@ def reference(kernel: str, ops: Operands) -> jax.Array:
     return nbm.nbit_matmul_reference(ops.x, q, group_size=GROUP, g_scale=s)
   if kernel == "int8 W8A16":
     return nbm.nbit_matmul_reference(ops.x, ops.w8_values, w_scale=ops.w8_scale)
+  if kernel in _GEMM_QTYPE:
+    vals, scale = ops.mosaic_codes[_GEMM_QTYPE[kernel]]
+    return imm.int8_matmul_reference(ops.xq, vals, x_scale=ops.xs, w_scale=scale)
   return imm.int8_matmul_reference(ops.xq, ops.w8_values, x_scale=ops.xs, w_scale=ops.w8_scale)
 
 
@@ -308,6 +321,8 @@ def main():
       ops = Operands(m, k, n)
       for kernel in ["xla int8"] + kernels:
         if kernel in _MOSAIC_QTYPE and m > mm.MAX_M:
+          continue
+        if kernel in _GEMM_QTYPE and m % 128:  # the GEMM's CTA rows; small M is the kernels' above
           continue
         if time.time() - t_start > args.budget_s:
           print("budget exhausted; stopping", flush=True)

@@ -15,6 +15,7 @@ Prints a markdown table and appends it to benchmarks/RESULTS.md (with --append).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -59,10 +60,11 @@ class MLP(nn.Module):
 
 def qtrain_rules(name: str):
   common = dict(module_path=r".*")
-  if name in ("qtrain_int8", "qtrain_int8_lowbit", "qtrain_int8_kernel"):
+  if name in ("qtrain_int8", "qtrain_int8_lowbit", "qtrain_int8_kernel", "qtrain_int8_cublas"):
     # _lowbit: 8-bit stochastic-rounding noise (a quarter of the PRNG work);
     # _kernel: also every quantized product forced onto the Pallas int8
     # kernel (bf16 written by its epilogue instead of XLA's int32 + convert).
+    # _cublas: "auto" without the Mosaic GEMM (every product on XLA's cuBLAS int8 GEMM).
     sr = "uniform" if name == "qtrain_int8" else "low_bit_uniform"
     impl = "triton" if name == "qtrain_int8_kernel" else "auto"
     return [qtrain.QtRule(**common, weight_qtype="int8", act_qtype="int8", bwd_qtype="int8",
@@ -146,7 +148,25 @@ def setup(name, width, hidden, tokens) -> StepSetup:
                    loss_fn=loss_fn)
 
 
+@contextlib.contextmanager
+def gemm_threshold(name):
+  """``*_cublas`` configs trace with the Mosaic GEMM off (dispatch.AUTO_GEMM_MIN_M raised)."""
+  from qtrain.pallas import dispatch
+  saved = dispatch.AUTO_GEMM_MIN_M
+  if name.endswith("_cublas"):
+    dispatch.AUTO_GEMM_MIN_M = 1 << 62
+  try:
+    yield
+  finally:
+    dispatch.AUTO_GEMM_MIN_M = saved
+
+
 def time_config(name, width, hidden, tokens, steps, repeats):
+  with gemm_threshold(name):
+    return _time_config(name, width, hidden, tokens, steps, repeats)
+
+
+def _time_config(name, width, hidden, tokens, steps, repeats):
   su = setup(name, width, hidden, tokens)
   params, opt_state, x, target, loss_fn = su.params, su.opt_state, su.x, su.target, su.loss_fn
 

@@ -124,12 +124,15 @@ def _shape_of(defn: str) -> tuple[str, list[int], list[int]]:
 
 
 @pytest.mark.parametrize("qtype,gq", [("int8", "int8"), ("float8_e4m3fn", "float8_e5m2")])
-def test_qt_dense_products_read_k_minor_operands(qtype, gq):
+def test_qt_dense_products_read_k_minor_operands(qtype, gq, monkeypatch):
   # The forward and both backward products of a w8a8 layer with quantized gradients must
   # reach the GEMM (cuBLAS, or a Triton GEMM that XLA's autotuner picked) with both operands
   # K-minor: physically row-major with the contracting axis last. XLA otherwise turns the
   # operand transposes into layouts that send the product to a slow GEMM (a cutlass sm80
-  # fallback at 1/8 of the int8 speed, measured in the training step).
+  # fallback at 1/8 of the int8 speed, measured in the training step). This checks XLA's
+  # path: the Mosaic int8 GEMM, which "auto" picks for large M on Hopper, is switched off.
+  from qtrain.pallas import dispatch
+  monkeypatch.setattr(dispatch, "AUTO_GEMM_MIN_M", 1 << 62)
   cfg = qc.DotGeneralQtConfig(lhs=qc.OperandQuant(qtype=qtype), rhs=qc.OperandQuant(qtype=qtype),
                               dlhs_grad=qc.GradQuant(qtype=gq, stochastic_rounding="uniform"),
                               drhs_grad=qc.GradQuant(qtype=gq, stochastic_rounding="uniform"))

@@ -107,8 +107,10 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
 
 
 def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, key,
-                     implementation: str, x_shape):
-  """``x_bar`` for one operand: quantize g (folding y's scale), dot, transpose."""
+                     implementation: str, x_shape, out_dtype=jnp.float32):
+  """``x_bar`` for one operand: quantize g (folding y's scale), dot, transpose.
+  ``out_dtype``: the product's dtype (float32, or the operand's own dtype where
+  nothing but a cast follows: the same numbers, half the bytes for bf16)."""
   from qtrain.pallas import dispatch  # the kernels' seam
 
   dims, perm, g_free = transpose_dims(dn_x_first, x_ndim, y_res.ndim, swap_ans=swap_ans)
@@ -123,7 +125,7 @@ def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, k
     g_in = quantize_grad(g_in, gq, g_free, key)
   else:
     y_in = y_res
-  r = dispatch.quantized_dot_general(g_in, y_in, dims, preferred_element_type=jnp.float32,
+  r = dispatch.quantized_dot_general(g_in, y_in, dims, preferred_element_type=out_dtype,
                                      implementation=implementation)
   return jnp.transpose(r, perm).reshape(x_shape)
 
@@ -167,11 +169,17 @@ def _bwd(dn, config, precision, out_dtype, shapes, res, g):
   (lshape, rshape, ldtype, rdtype) = shapes
   (lc, rc), (lb, rb) = dn
   k_l, k_r = split_key(kd, 2)
+  # Without a learned scale, finish_operand_grad only masks and casts x_bar, and
+  # every product path rounds its float32 result once at the end: the product
+  # may be written in the operand's float dtype directly (the same numbers).
+  bar_dtype = lambda res, dtype: (dtype if res.given_scale is None
+                                  and jnp.issubdtype(dtype, jnp.floating) else jnp.float32)
   lhs_bar = backward_product(g, rres.value, dn, len(lshape), swap_ans=False, gq=config.dlhs_grad,
-                             key=k_l, implementation=config.implementation, x_shape=lshape)
+                             key=k_l, implementation=config.implementation, x_shape=lshape,
+                             out_dtype=bar_dtype(lres, ldtype))
   rhs_bar = backward_product(g, lres.value, ((rc, lc), (rb, lb)), len(rshape), swap_ans=True,
                              gq=config.drhs_grad, key=k_r, implementation=config.implementation,
-                             x_shape=rshape)
+                             x_shape=rshape, out_dtype=bar_dtype(rres, rdtype))
   lhs_bar, ls_bar = finish_operand_grad(lhs_bar, lres, config.lhs, ldtype)
   rhs_bar, rs_bar = finish_operand_grad(rhs_bar, rres, config.rhs, rdtype)
   return lhs_bar, rhs_bar, ls_bar, rs_bar, None

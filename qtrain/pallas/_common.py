@@ -71,6 +71,15 @@ def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
 
+def on_hopper() -> bool:
+  """Whether this process has a Hopper (compute capability 9.x) GPU."""
+  try:
+    devices = jax.local_devices(backend="gpu")
+  except RuntimeError:
+    return False
+  return bool(devices) and str(getattr(devices[0], "compute_capability", "")).startswith("9")
+
+
 # ---------------------------------------------------------------------------
 # Layout conversion (XLA side, run once per static weight).
 # ---------------------------------------------------------------------------

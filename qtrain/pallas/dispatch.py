@@ -22,16 +22,22 @@ vary along K and per-element contracting scales are not handled by a kernel.
 ``implementation``:
   "auto": XLA, except on a GPU backend where the config is handled by a
     kernel and :data:`AUTO_KERNEL` (measured, benchmarks/kernels.py) says
-    the kernel is faster. The XLA path's int8/fp8 operands are put in GEMM
+    the kernel is faster, and on a Hopper GPU (jax >= 0.11) where both
+    operands are integer QArrays of <= 8 bits with per-row / per-column
+    scales and M >= :data:`AUTO_GEMM_MIN_M`: the Mosaic int8 GEMM
+    (:mod:`qtrain.pallas.mosaic_gemm`, scales fused; the training step's
+    products), where its shapes tile. The XLA path's int8/fp8 operands are put in GEMM
     layout by :func:`qtrain.pallas.transpose.gemm_transpose` (on CUDA a
     Pallas copy XLA cannot turn into a slow layout, see that module).
   "xla": always the XLA reference, layouts left to XLA.
   "triton": the Pallas Triton kernel (GPU only); ValueError where unsupported.
-  "mosaic": the Pallas Mosaic GPU kernel (:mod:`qtrain.pallas.mosaic_matmul`;
-    Hopper, jax >= 0.11): bf16/f16 activations, or symmetric integer QArray
-    activations of <= 8 bits (int8 wgmma), M <= 128, x binary/int4/int8
+  "mosaic": the Pallas Mosaic GPU kernels (Hopper, jax >= 0.11). M <= 128:
+    :mod:`qtrain.pallas.mosaic_matmul`, bf16/f16 activations or symmetric
+    integer QArray activations of <= 8 bits (int8 wgmma) x binary/int4/int8
     weights with per-channel scales, as a QArray or a
-    :class:`~qtrain.pallas.mosaic_matmul.MosaicWeight`; ValueError elsewhere.
+    :class:`~qtrain.pallas.mosaic_matmul.MosaicWeight`. Larger M: the int8
+    GEMM :mod:`qtrain.pallas.mosaic_gemm` for integer QArrays of <= 8 bits on
+    both sides (per-row / per-column scales). ValueError elsewhere.
     "auto" runs a MosaicWeight rhs here where it can (a CUDA lowering, jax >=
     0.11, a dot the kernel takes; else XLA on the stored codes), but does not
     choose Mosaic for QArray weights (that would repack them every call).
@@ -53,6 +59,7 @@ from qtrain.pallas import _common
 from qtrain.pallas import _qmatmul
 from qtrain.pallas import binary_matmul as _binary
 from qtrain.pallas import int8_matmul as _int8
+from qtrain.pallas import mosaic_gemm as _gemm
 from qtrain.pallas import mosaic_matmul as _mosaic
 from qtrain.pallas import nbit_matmul as _nbit
 from qtrain.pallas import transpose as _transpose
@@ -73,6 +80,14 @@ _KERNEL_QTYPES = ("binary", "ternary", "int2", "int4", "int8")
 # counted, and even without it their in-kernel decode is ALU-bound (see
 # RESULTS.md); only int8 x int8 on (N, K) weights wins, at M <= 16
 # (62.1 vs 69.1 us at K=8192, N=28672; 7.1 vs 7.2 us at 4096^2).
+# "auto" runs int8 x int8 products (integer QArrays of <= 8 bits on both sides)
+# of at least this many rows (M) on the Mosaic GEMM (qtrain.pallas.mosaic_gemm;
+# Hopper, jax >= 0.11). Measured against XLA's cuBLAS int8 GEMM + its separate
+# int32 -> scaled float pass (benchmarks/RESULTS.md, "Mosaic int8 GEMM", H200):
+# M = 512 is mixed (0.90x at K = N = 4096, 1.11x at K = 8192, N = 28672), from
+# M = 1024 it wins on every measured shape (1.08-1.31x).
+AUTO_GEMM_MIN_M = 1024
+
 AUTO_KERNEL: dict[tuple[str, str, int], bool] = {
     ("int8", "qarray-nk", 16): True,
     ("int8", "qarray-nk", 64): False,  # 67.9 vs 65.1 us
@@ -111,10 +126,10 @@ def _canonical_operand(x, contract, free):
   return x.reshape(m, -1)
 
 
-def _row_scale(s, contract, free, shape):
+def _row_scale(s, contract, free, shape, what: str = "activation"):
   """A scale that varies only along free axes, as (prod(free),); else _Unsupported."""
   if any(s.shape[a] != 1 for a in contract):
-    raise _Unsupported("the activation scale varies along a contracting axis")
+    raise _Unsupported(f"the {what} scale varies along a contracting axis")
   full = tuple(shape[a] if s.shape[a] != 1 else 1 for a in free)
   s = jnp.transpose(s, tuple(free) + tuple(contract)).reshape(full)
   return jnp.broadcast_to(s, tuple(shape[a] for a in free)).reshape(-1)
@@ -265,7 +280,8 @@ def _plan_mosaic(lhs, rhs, dimension_numbers):
     raise _Unsupported("group-wise weight scales (the Mosaic kernel takes per-channel scales)")
   x, x_scale = _mosaic_lhs(lhs, lc, lfree)
   if not 1 <= x.shape[0] <= _mosaic.MAX_M or x.shape[1] == 0:
-    raise _Unsupported(f"M={x.shape[0]} (the Mosaic kernel serves M in 1..{_mosaic.MAX_M})")
+    raise _Unsupported(f"M={x.shape[0]} (the small-M Mosaic kernel serves M in 1..{_mosaic.MAX_M}; "
+                       f"larger M runs on the Mosaic GEMM, which takes integer QArrays on both sides)")
   w = _mosaic.prepare_mosaic_weight(_canonical_operand(rhs.qvalue, rc, rfree), rhs.qtype.name,
                                     scale=s, order="int8" if x.dtype == jnp.int8 else "float",
                                     tiles=None)  # repacked per call: no extra transpose
@@ -273,9 +289,81 @@ def _plan_mosaic(lhs, rhs, dimension_numbers):
   return x, x_scale, w, out_shape
 
 
+@dataclasses.dataclass(frozen=True)
+class _GemmPlan:
+  """A canonicalised int8 x int8 call for the Mosaic GEMM: a (M, K), b (N, K)."""
+
+  a: Any
+  a_scale: Any  # (M,) float32
+  b: Any
+  b_scale: Any  # (N,) float32
+  out_shape: tuple[int, ...]
+
+
+def _plan_gemm(lhs, rhs, dimension_numbers, out_dtype) -> _GemmPlan:
+  """Both operands symmetric integer QArrays of <= 8 bits with per-row / per-column
+  scales, no batch axes, a float output: the Mosaic GEMM's call; else _Unsupported."""
+  for what, q in (("lhs", lhs), ("rhs", rhs)):
+    if not _is_qarray(q):
+      raise _Unsupported(f"the {what} is not a QArray (the Mosaic GEMM takes int8 x int8)")
+    if not q.qtype.is_integer_like or q.qtype.bits > 8:
+      raise _Unsupported(f"{what} qtype {q.qtype.name} (the Mosaic GEMM takes integers of <= 8 bits)")
+    if q.zero_point is not None:
+      raise _Unsupported(f"asymmetric (zero-point) {what}")
+  if jnp.dtype(out_dtype) not in _gemm.OUT_DTYPES:
+    raise _Unsupported(f"output dtype {jnp.dtype(out_dtype)} (the Mosaic GEMM writes "
+                       f"{[str(d) for d in _gemm.OUT_DTYPES]})")
+  lc, rc, lfree, rfree = _axes(lhs, rhs, dimension_numbers)
+  a = _gemm_operand(lhs.qvalue, lc, lfree)
+  b = _gemm_operand(rhs.qvalue, rc, rfree)
+  if 0 in a.shape or b.shape[0] == 0:
+    raise _Unsupported("empty operand")
+  sa = _row_scale(lhs.scale.astype(jnp.float32), lc, lfree, lhs.shape, "lhs")
+  sb = _row_scale(rhs.scale.astype(jnp.float32), rc, rfree, rhs.shape, "rhs")
+  out_shape = tuple(lhs.shape[i] for i in lfree) + tuple(rhs.shape[i] for i in rfree)
+  return _GemmPlan(a, sa, b, sb, out_shape)
+
+
+def _gemm_operand(x, contract, free):
+  """(free..., contract...) as 2-D int8 in GEMM layout, transposed (where needed) by
+  :func:`qtrain.pallas.transpose.gemm_transpose` as on the XLA path."""
+  perm = tuple(free) + tuple(contract)
+  if perm != tuple(range(x.ndim)):
+    x = _transpose.gemm_transpose(x, perm)
+  return x.reshape(math.prod(x.shape[:len(free)]), -1).astype(jnp.int8)
+
+
+def _run_gemm(plan: _GemmPlan, out_dtype, cfg=None) -> jax.Array:
+  out = _gemm._gemm(plan.a, plan.b, plan.a_scale, plan.b_scale, out_dtype,
+                    cfg or _gemm.checked_config(plan.a, plan.b, None, out_dtype))
+  return out.reshape(plan.out_shape)
+
+
+def _auto_gemm(lhs, rhs, dimension_numbers, out_dtype) -> tuple[_GemmPlan, Any] | None:
+  """(plan, config) where "auto" runs the Mosaic GEMM: jax >= 0.11 with a Hopper
+  GPU, an int8 x int8 call it takes, and M >= :data:`AUTO_GEMM_MIN_M`."""
+  if jax.__version_info__ < (0, 11) or not _common.on_hopper():
+    return None
+  try:
+    plan = _plan_gemm(lhs, rhs, dimension_numbers, out_dtype)
+    if plan.a.shape[0] < AUTO_GEMM_MIN_M:
+      return None
+    return plan, _gemm.checked_config(plan.a, plan.b, None, out_dtype)
+  except (_Unsupported, _mosaic.UnsupportedCall):
+    return None
+
+
 def _run_mosaic(lhs, rhs, dimension_numbers, out_dtype) -> jax.Array:
   # What the kernel cannot take is reported first; mosaic_matmul then refuses a
   # non-GPU backend (and jax < 0.11) by name.
+  if not isinstance(rhs, _mosaic.MosaicWeight):
+    try:
+      gemm = _plan_gemm(lhs, rhs, dimension_numbers, out_dtype)
+    except _Unsupported:
+      gemm = None
+    if gemm is not None and gemm.a.shape[0] > _mosaic.MAX_M:  # large M: the GEMM
+      return _gemm.mosaic_gemm(gemm.a, gemm.b, a_scale=gemm.a_scale, b_scale=gemm.b_scale,
+                               out_dtype=out_dtype).reshape(gemm.out_shape)
   try:
     x, x_scale, w, out_shape = _plan_mosaic(lhs, rhs, dimension_numbers)
   except _Unsupported as e:
@@ -381,6 +469,11 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, *, preferred_element_type
 
   if implementation == "xla":
     return xla()
+  if implementation == "auto" and not prepared_rhs:
+    gemm = _auto_gemm(lhs, rhs, dimension_numbers, out_dtype)
+    if gemm is not None:
+      plan, cfg = gemm
+      return jax.lax.platform_dependent(cuda=lambda: _run_gemm(plan, out_dtype, cfg), default=xla)
   try:
     plan = _plan(lhs, rhs, dimension_numbers)
   except _Unsupported as e:
