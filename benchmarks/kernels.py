@@ -51,7 +51,8 @@ SHAPES = ((4096, 4096), (8192, 28672))
 GROUP = 128
 # Mosaic GPU kernels (per-channel scales, M <= 128) and their weight qtype.
 _MOSAIC_QTYPE = {"mosaic W1A16": "binary", "mosaic W4A16": "int4", "mosaic W8A16": "int8",
-                 "mosaic W1A8": "binary", "mosaic W4A8": "int4", "mosaic W8A8": "int8"}
+                 "mosaic W1A8": "binary", "mosaic W2A8": "int2", "mosaic W4A8": "int4",
+                 "mosaic W8A8": "int8"}
 # "... tiled": the same kernel on weights stored tile by tile (prepare_mosaic_weight(tiles="auto"))
 _MOSAIC_QTYPE.update({f"{k} tiled": v for k, v in list(_MOSAIC_QTYPE.items())})
 # The Mosaic int8 GEMM (large M; operands as int8 codes, binary weights as +-1) and its weights.
@@ -65,7 +66,7 @@ def weight_bytes(kernel: str, n: int, k: int) -> float:
   if kernel.startswith("xla bf16"):
     return 2 * n * k
   if kernel in _MOSAIC_QTYPE:
-    return n * k * {"binary": 1, "int4": 4, "int8": 8}[_MOSAIC_QTYPE[kernel]] / 8 + 4 * n
+    return n * k * {"binary": 1, "int2": 2, "int4": 4, "int8": 8}[_MOSAIC_QTYPE[kernel]] / 8 + 4 * n
   if kernel in _GEMM_QTYPE:
     return n * k + 4 * n  # int8 codes
   if kernel == "int4 W4A16":
@@ -124,12 +125,15 @@ class Operands:
       s = jnp.max(jnp.abs(wg), axis=2) / qmax
       q = jnp.clip(jnp.round(wg / s[..., None]), -qmax - 1, qmax).astype(jnp.int8).reshape(n, k)
       self.packed[qt] = (q, s, prepared.prepare_weight(q, qt, scale=s, group_size=GROUP, kn=True))
+    s2 = jnp.max(jnp.abs(w), axis=1) / 1.5  # per-channel int2 for the Mosaic W2A8 kernel
+    self.w2_values = jnp.clip(jnp.round(w / s2[:, None]), -2, 1).astype(jnp.int8)
     s4 = jnp.max(jnp.abs(w), axis=1) / 7
     self.w4_values = jnp.clip(jnp.round(w / s4[:, None]), -8, 7).astype(jnp.int8)
     self.w4_scale = s4
     self.w4 = prepared.prepare_weight(self.w4_values, "int4", scale=s4, kn=True)
-    # Mosaic weights are prepared on first use (_mosaic_weight): 3 qtypes x 2 orders x 2 layouts
-    self.mosaic_codes = {"binary": (self.w_bin_values, absw), "int4": (self.w4_values, s4),
+    # Mosaic weights are prepared on first use (_mosaic_weight): each qtype x order x layout
+    self.mosaic_codes = {"binary": (self.w_bin_values, absw), "int2": (self.w2_values, s2),
+                         "int4": (self.w4_values, s4),
                          "int8": (self.w8_values, self.w8_scale)}
     self.mosaic = {}
     jax.block_until_ready((self.w_bin, self.w8, self.packed, self.xw, self.w4))
@@ -208,7 +212,7 @@ def reference(kernel: str, ops: Operands) -> jax.Array:
   if kernel in _MOSAIC_QTYPE:
     qt = _MOSAIC_QTYPE[kernel]
     w = _mosaic_weight(ops, kernel)
-    vals = {"binary": ops.w_bin_values, "int4": ops.w4_values, "int8": ops.w8_values}[qt]
+    vals = ops.mosaic_codes[qt][0]
     if _mosaic_a8(kernel):
       return mm.mosaic_matmul_reference(ops.xq, vals, qt, w_scale=w.w_scale, x_scale=ops.xs)
     return mm.mosaic_matmul_reference(ops.x, vals, qt, w_scale=w.w_scale)

@@ -1,11 +1,12 @@
 """Hashes of the Mosaic GPU modules the kernel lowers to, one per config: a refactor check.
 
 Lowers :func:`qtrain.pallas.mosaic_matmul._kernel` for CUDA without a GPU (jax
->= 0.11; on a CPU-only machine too) for 3 qtypes x bf16/f16/int8 activations x
-2 configs, captures each Mosaic module (source locations stripped) before
+>= 0.11; on a CPU-only machine too) for each qtype x bf16/f16/int8 activations
+(int2: int8 only) x 2 configs, captures each Mosaic module (source locations stripped) before
 Mosaic serializes it, and prints a short sha256 per case. Run it before and
 after a change that should not alter the kernel and diff the two outputs:
-identical hashes mean identical kernels. (It stops at the Mosaic module: the
+identical hashes mean identical kernels. Compare runs over the same cases: Mosaic numbers
+its symbols per process, so a case's hash also depends on the cases lowered before it. (It stops at the Mosaic module: the
 TMA descriptor checks that run when XLA compiles it on a GPU are not covered.)
 
   python benchmarks/mosaic_module_hash.py > before.txt   # then after the change
@@ -39,10 +40,10 @@ def main():
   mosaic_core._run_serde_pass = capture
   n, k, m = 1024, 2048, 16
   for qtype in mm.QTYPES:
-    for act in (jnp.bfloat16, jnp.float16, jnp.int8):
+    for act in (jnp.bfloat16, jnp.float16, jnp.int8) if qtype != "int2" else (jnp.int8,):
       for cfg in (mm.MosaicConfig(tile_k=256, steps=2, wg_rows=128),
                   mm.MosaicConfig(tile_k=512, steps=2, split_k=2)):
-        cols = k // 8 if qtype == "binary" else k
+        cols = mm._w_cols(qtype, k)
         w = jax.ShapeDtypeStruct((n, cols), jnp.int4 if qtype == "int4" else jnp.int8)
         f = lambda w, x, qtype=qtype, cfg=cfg: mm._kernel(w, x, qtype=qtype, k_pad=k, cfg=cfg)
         jax.jit(f).trace(w, jax.ShapeDtypeStruct((m, k), act)).lower(lowering_platforms=("cuda",))

@@ -34,7 +34,7 @@ vary along K and per-element contracting scales are not handled by a kernel.
   "mosaic": the Pallas Mosaic GPU kernels (Hopper, jax >= 0.11). M <= 128:
     :mod:`qtrain.pallas.mosaic_matmul`, bf16/f16 activations or symmetric
     integer QArray activations of <= 8 bits (int8 wgmma) x binary/int4/int8
-    weights with per-channel scales, as a QArray or a
+    weights (int2 with integer activations only) with per-channel scales, as a QArray or a
     :class:`~qtrain.pallas.mosaic_matmul.MosaicWeight`. Larger M: the int8
     GEMM :mod:`qtrain.pallas.mosaic_gemm` for integer QArrays of <= 8 bits on
     both sides (per-row / per-column scales). ValueError elsewhere.
@@ -279,6 +279,9 @@ def _plan_mosaic(lhs, rhs, dimension_numbers):
   if kind != "channel":
     raise _Unsupported("group-wise weight scales (the Mosaic kernel takes per-channel scales)")
   x, x_scale = _mosaic_lhs(lhs, lc, lfree)
+  if rhs.qtype.name == "int2" and x.dtype != jnp.int8:
+    raise _Unsupported(f"int2 weights with {x.dtype} activations (the Mosaic kernel runs int2 "
+                       f"weights with integer activations only)")
   if not 1 <= x.shape[0] <= _mosaic.MAX_M or x.shape[1] == 0:
     raise _Unsupported(f"M={x.shape[0]} (the small-M Mosaic kernel serves M in 1..{_mosaic.MAX_M}; "
                        f"larger M runs on the Mosaic GEMM, which takes integer QArrays on both sides)")

@@ -22,6 +22,8 @@ Per chunk of K columns, stored column ``s`` holds logical column
   of thread quad ``q`` holds column ``8j + 2q`` at bit ``j`` and column
   ``8j + 2q + 1`` at bit ``16 + j`` (j = 0..15), so one shift moves a pair of
   bits to the sign positions (15 and 31) of a packed pair of 16-bit floats.
+* int2 (chunks of 64 columns = 16 bytes of four 2-bit fields, loaded like
+  int8) has only the int8-activation order below (there is no 16-bit decode).
 
 With int8 activations (the kernels' "A8" path) the decoded weights go to
 wgmma's 8-bit A layout instead (thread quad ``q`` holds columns ``4q + v`` of
@@ -59,7 +61,8 @@ import numpy as np
 
 from qtrain.core import packing
 
-CHUNK = {"int8": 16, "int4": 32, "binary": 128}  # K columns per permutation chunk
+CHUNK = {"int8": 16, "int4": 32, "int2": 64, "binary": 128}  # K columns per permutation chunk
+_PACKED_BITS = {"binary": 1, "int2": 2}  # bit-packed qtypes: bits per stored field
 
 # Byte order of the four thread quads inside a 16-byte chunk (UPCAST_2X).
 _QUAD_ORDER = (0, 2, 1, 3)
@@ -68,11 +71,20 @@ _QUAD_ORDER = (0, 2, 1, 3)
 ORDERS = ("float", "int8")  # the activations a storage order is laid out for
 
 
+def orders(qtype: str) -> tuple[str, ...]:
+  """The storage orders (= activation paths) ``qtype`` has, the default first: int2 only "int8"."""
+  return ("int8",) if qtype == "int2" else ORDERS
+
+
 def _check(qtype: str, order: str) -> None:
   if qtype not in CHUNK:
-    raise ValueError(f"the Mosaic storage orders take qtype 'int8', 'int4' or 'binary', got {qtype!r}")
+    raise ValueError(f"the Mosaic storage orders take qtype 'int8', 'int4', 'int2' or 'binary', "
+                     f"got {qtype!r}")
   if order not in ORDERS:
     raise ValueError(f"order={order!r}; valid: {ORDERS} (the activations the weights are laid out for)")
+  if order not in orders(qtype):
+    raise ValueError(f"order={order!r}: {qtype} weights run with int8 activations only (valid: "
+                     f"{orders(qtype)})")
 
 
 def _float_order(qtype: str) -> np.ndarray:
@@ -97,12 +109,15 @@ def decode_slots(qtype: str, act: str) -> np.ndarray:
     ``4 _QUAD_ORDER[q] + v``; shifting it left by ``t`` moves bit ``7 - t`` of
     each byte to the byte's sign position, the bytes of sub-chunk ``t``
     (column ``16 t + 4 q + v``).
+  * int8 with int2 weights: the same bytes; shifting left by ``2 j`` moves
+    field ``3 - j`` (bits ``6 - 2j``, ``7 - 2j``) to each byte's top two bits,
+    the bytes of sub-chunk ``j``.
   """
-  _check(qtype, "float")
+  if act not in ORDERS:
+    raise ValueError(f"act={act!r}; valid: 'float', 'int8'")
+  _check(qtype, act)
   if act == "float":
     return np.argsort(_float_order(qtype))
-  if act != "int8":
-    raise ValueError(f"act={act!r}; valid: 'float', 'int8'")
   slot = np.arange(CHUNK[qtype])
   if qtype == "int8":
     return slot
@@ -111,6 +126,9 @@ def decode_slots(qtype: str, act: str) -> np.ndarray:
       if qtype == "int4":
         for j in range(2):
           slot[16 * j + 4 * q + v] = 8 * q + 2 * v + j
+      elif qtype == "int2":
+        for j in range(4):
+          slot[16 * j + 4 * q + v] = 4 * (4 * _QUAD_ORDER[q] + v) + 3 - j
       else:
         for t in range(8):
           slot[16 * t + 4 * q + v] = 8 * (4 * _QUAD_ORDER[q] + v) + 7 - t
@@ -178,19 +196,32 @@ def untile(data, n: int, rows: int, cols: int):
   return data.reshape(n // rows, c // cols, rows, cols).transpose(0, 2, 1, 3).reshape(n, c)
 
 
+def pack_bits(values, qtype: str, order: str) -> jnp.ndarray:
+  """(N, K) binary (> 0 means +1) or int2 ([-2, 1]) values -> (N, K * bits // 8)
+  int8 bytes in storage order: stored position ``s`` of a chunk is field
+  ``s % (8 // bits)`` (from the low bits) of byte ``s // (8 // bits)``.
+  K must be a multiple of :data:`CHUNK`."""
+  values = jnp.asarray(values)
+  words = packing.pack(permute_columns(values, qtype, order), qtype)  # little-endian words
+  return jax.lax.bitcast_convert_type(words, jnp.int8).reshape(values.shape[0], -1)
+
+
+def unpack_bits(stored, qtype: str, k: int, order: str) -> jnp.ndarray:
+  """Inverse of :func:`pack_bits`: (N, K * bits // 8) int8 -> (N, K) int8 codes (binary +-1)."""
+  stored = jnp.asarray(stored)
+  words = jax.lax.bitcast_convert_type(stored.reshape(stored.shape[0], -1, 4), jnp.uint32)
+  values = packing.unpack(words, qtype, size=k)
+  return unpermute_columns(values, qtype, order)
+
+
 def pack_binary(values, order: str = "float") -> jnp.ndarray:
   """(N, K) binary values (> 0 means +1) -> (N, K // 8) int8 bytes in storage order.
 
   K must be a multiple of 128.
   """
-  values = jnp.asarray(values)
-  words = packing.pack(permute_columns(values, "binary", order), "binary")  # little-endian words
-  return jax.lax.bitcast_convert_type(words, jnp.int8).reshape(values.shape[0], -1)
+  return pack_bits(values, "binary", order)
 
 
 def unpack_binary(stored, k: int, order: str = "float") -> jnp.ndarray:
   """Inverse of :func:`pack_binary`: (N, K // 8) int8 -> (N, K) int8 +-1."""
-  stored = jnp.asarray(stored)
-  words = jax.lax.bitcast_convert_type(stored.reshape(stored.shape[0], -1, 4), jnp.uint32)
-  values = packing.unpack(words, "binary", size=k)
-  return unpermute_columns(values, "binary", order)
+  return unpack_bits(stored, "binary", k, order)

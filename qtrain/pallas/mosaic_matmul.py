@@ -1,4 +1,4 @@
-"""Mosaic GPU (Hopper wgmma + TMA) small-M matmul: binary / int4 / int8 weights x bf16/f16/int8.
+"""Mosaic GPU (Hopper wgmma + TMA) small-M matmul: binary / int2 / int4 / int8 weights x bf16/f16/int8.
 
 ``out = (x @ w.T) * w_scale * x_scale`` for decode-sized M (<= :data:`MAX_M`),
 with weights from :func:`prepare_mosaic_weight`. The kernel swaps the operands
@@ -20,8 +20,9 @@ N side (``out.T = w @ x.T``):
   accumulation, which takes twice the K per instruction. int8 weights are
   read by wgmma straight from shared memory; binary weights decode to
   ``±64`` bytes (one shift and one ``(w & 0x80808080) ^ 0xC0C0C0C0`` per 4
-  weights), int4 to ``16 * value`` (one shift and one mask per 4), and the
-  factor is divided out with the scales;
+  weights), int4 to ``16 * value`` and int2 to ``64 * value`` (one shift and
+  one mask per 4), and the factor is divided out with the scales; int2
+  weights run with int8 activations only;
 * the weights' storage order is laid out for one kind of activations
   (``prepare_mosaic_weight(..., order="float" | "int8")``); the other kind
   is permuted along K per call to match
@@ -57,10 +58,11 @@ from jax import lax
 from qtrain.pallas import _common
 from qtrain.pallas import mosaic_layout
 
-QTYPES = ("binary", "int4", "int8")
+QTYPES = ("binary", "int2", "int4", "int8")
 ACT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.int8)
 # int8 activations: the decoded weight is this multiple of its value (divided out with the scales)
-A8_FACTOR = {"binary": 64, "int4": 16, "int8": 1}
+A8_FACTOR = {"binary": 64, "int2": 64, "int4": 16, "int8": 1}
+_BITS = {"binary": 1, "int2": 2, "int4": 4, "int8": 8}  # stored bits per weight
 # int8 activations accumulate in int32: |w code * factor| <= 128 and |x| <= 128, so K_pad
 # products of at most 2**14 each stay within int32
 A8_MAX_K = (2**31 - 1) // (128 * 128)
@@ -120,10 +122,11 @@ class MosaicWeight:
   """A quantized (N, K) weight in the Mosaic kernel's storage order.
 
   Attributes:
-    data: binary (Np, Kp // 8) int8 packed bits; int4 (Np, Kp) ``jnp.int4``;
+    data: binary (Np, Kp // 8) int8 packed bits; int2 (Np, Kp // 4) int8
+      packed 2-bit fields; int4 (Np, Kp) ``jnp.int4``;
       int8 (Np, Kp) int8 (columns in ``order``, :mod:`qtrain.pallas.mosaic_layout`).
     w_scale: (N,) float32 per-channel scale, or None.
-    qtype: "binary", "int4" or "int8" (static).
+    qtype: "binary", "int2", "int4" or "int8" (static).
     n: true output channels (static).
     k: true contracting size (static).
     order: the activations the storage order is laid out for (static):
@@ -176,17 +179,19 @@ def _large_layer(n_pad: int, num_sms: int | None = None) -> bool:
 
 
 def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None,
-                          order: str = "float", tiles=None) -> MosaicWeight:
+                          order: str | None = None, tiles=None) -> MosaicWeight:
   """Lays out quantized weights (N, K) for :func:`mosaic_matmul` (jit-friendly).
 
   Args:
-    values: (N, K) integer codes: binary (> 0 means +1, else -1), int4 in
-      [-8, 7], int8 in [-128, 127].
-    qtype: "binary", "int4" or "int8".
+    values: (N, K) integer codes: binary (> 0 means +1, else -1), int2 in
+      [-2, 1], int4 in [-8, 7], int8 in [-128, 127].
+    qtype: "binary", "int2", "int4" or "int8".
     scale: None, a scalar, or (N,) / (N, 1) per-channel scales.
     order: the activations the weights will mostly meet: "float" (bf16/f16)
-      or "int8". Both kinds run with either; the order saves the other
-      kind's per-call permutation of the activations.
+      or "int8"; None: "float" (int2: "int8"). Both kinds run with either;
+      the order saves the other kind's per-call permutation of the
+      activations. int2 weights have only "int8" (they run with int8
+      activations only).
     tiles: None (row-major), "auto" (:func:`auto_tiles`: tile by tile for
       large layers), or (CTA rows, tile_k) from :data:`TILES`: store the
       weights tile by tile, each tile one contiguous block in the order the
@@ -201,9 +206,11 @@ def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None,
   """
   if qtype not in QTYPES:
     raise ValueError(f"qtype={qtype!r}; the Mosaic kernel takes {QTYPES}")
-  if order not in mosaic_layout.ORDERS:
-    raise ValueError(f"order={order!r}; valid: {mosaic_layout.ORDERS} (the activations the "
-                     f"weights are laid out for)")
+  if order is None:
+    order = mosaic_layout.orders(qtype)[0]
+  if order not in mosaic_layout.orders(qtype):
+    raise ValueError(f"order={order!r}; valid for {qtype} weights: {mosaic_layout.orders(qtype)} (the "
+                     f"activations the weights are laid out for)")
   values = jnp.asarray(values)
   if values.ndim != 2:
     raise ValueError(f"weights must be 2-D (N, K); got shape {values.shape}")
@@ -217,8 +224,8 @@ def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None,
                        f"'auto' or None")
   n_pad, k_pad = _common.round_up(n, N_ALIGN), _common.round_up(k, K_ALIGN)
   values = jnp.pad(values.astype(jnp.int8), ((0, n_pad - n), (0, k_pad - k)))
-  if qtype == "binary":
-    data = mosaic_layout.pack_binary(values, order)
+  if qtype in ("binary", "int2"):
+    data = mosaic_layout.pack_bits(values, qtype, order)
   else:
     data = mosaic_layout.permute_columns(values, qtype, order)
   if tiles is not None:
@@ -240,8 +247,8 @@ def mosaic_weight_values(w: MosaicWeight) -> jax.Array:
   data = w.data.astype(jnp.int8)
   if w.tiles is not None:
     data = mosaic_layout.untile(data, w.n_pad, w.tiles[0], _w_cols(w.qtype, w.tiles[1]))
-  if w.qtype == "binary":
-    values = mosaic_layout.unpack_binary(data, w.k_pad, w.order)
+  if w.qtype in ("binary", "int2"):
+    values = mosaic_layout.unpack_bits(data, w.qtype, w.k_pad, w.order)
   else:
     values = mosaic_layout.unpermute_columns(data, w.qtype, w.order)
   return values[:w.n, :w.k]
@@ -254,7 +261,7 @@ def smem_bytes(qtype: str, m: int, cfg: MosaicConfig, act_bytes: int = 2) -> int
   """Shared memory the kernel allocates: ``steps`` weight + activation tiles and the output tiles
   (``act_bytes``: 2 for bf16/f16 activations, 1 for int8)."""
   mp = _common.round_up(m, 16)
-  w_tile = cfg.cta_rows * cfg.tile_k * {"binary": 1, "int4": 4, "int8": 8}[qtype] // 8
+  w_tile = cfg.cta_rows * cfg.tile_k * _BITS[qtype] // 8
   return cfg.steps * (w_tile + mp * cfg.tile_k * act_bytes) + cfg.cta_rows * mp * 4
 
 
@@ -265,13 +272,13 @@ def default_config(w: MosaicWeight, m: int, num_sms: int | None = None,
   Where 64-row warpgroup tiles would take more than one wave of SMs (large N),
   128 rows per warpgroup with tile_k 256 (half the activation traffic per
   weight byte); otherwise 64 rows with tile_k 512 (int8: 256) and split K
-  while the CTAs fit in one wave. Pipeline depth: binary 4, int4/int8 3,
+  while the CTAs fit in one wave. Pipeline depth: binary / int2 4, int4/int8 3,
   fewer (then smaller tiles) where M's activation tiles would overflow shared
   memory. int8 activations (``act_dtype``) use the same tiles.
   """
   sms = num_sms or _num_sms()
   ab = jnp.dtype(act_dtype).itemsize
-  steps = 4 if w.qtype == "binary" else 3
+  steps = 4 if w.qtype in ("binary", "int2") else 3
   if w.tiles is not None:  # the stored tiles; the deepest pipeline that fits
     for st in range(steps, 1, -1):
       cfg = MosaicConfig(tile_k=w.tiles[1], steps=st, wg_rows=w.tiles[0] // _WGS)
@@ -306,8 +313,8 @@ def with_split(w: MosaicWeight, cfg: MosaicConfig, num_sms: int | None = None) -
 
 
 def _w_cols(qtype: str, tile_k: int) -> int:
-  """Stored columns of one tile_k step (binary: 8 weights per byte)."""
-  return tile_k // 8 if qtype == "binary" else tile_k
+  """Stored columns of one tile_k step (binary: 8 weights per byte, int2: 4)."""
+  return tile_k * _BITS[qtype] // 8 if qtype in ("binary", "int2") else tile_k
 
 
 def _num_sms() -> int:
@@ -356,6 +363,10 @@ def checked_config(x: jax.Array, w: MosaicWeight, config: MosaicConfig | None = 
     raise UnsupportedCall(f"M={m}: the Mosaic kernel serves decode sizes 1..{MAX_M}; use "
                           f"implementation='triton' or 'xla' for larger M")
   a8 = x.dtype == jnp.int8
+  if w.qtype == "int2" and not a8:
+    raise UnsupportedCall(f"int2 weights with {x.dtype} activations: the Mosaic kernel runs int2 "
+                          f"weights with int8 activations only (quantize them, or use "
+                          f"implementation='triton')")
   if a8 and w.k_pad > A8_MAX_K:
     raise UnsupportedCall(f"K={w.k} (padded {w.k_pad}) with int8 activations could overflow the int32 "
                           f"accumulator; the Mosaic kernel takes K <= {A8_MAX_K} there")
@@ -459,6 +470,13 @@ def binary_int8_bits(word: int, t: int) -> int:
   return (((word << t) & 0xFFFFFFFF) & 0x80808080) ^ 0xC0C0C0C0
 
 
+def int2_int8_bits(word: int, j: int) -> int:
+  """The four int8 weights (``64 * value``) the int8-activation kernel decodes
+  from a word of sixteen int2 fields: field ``3 - j`` of each byte moved to the
+  byte's top two bits, ``(word << 2j) & 0xC0C0C0C0``. Python-int model."""
+  return ((word << (2 * j)) & 0xFFFFFFFF) & 0xC0C0C0C0
+
+
 def int4_int8_bits(word: int, j: int) -> int:
   """The four int8 weights (``16 * value``) the int8-activation kernel decodes
   from a word of eight int4 values: the even nibbles (``j = 0``, moved to the
@@ -528,6 +546,20 @@ def _decode_int4_a8(q, rows: int, tile_k: int):
   return _int8_fragment(q, rows, tile_k, 2, word_to_quad)
 
 
+def _decode_int2_a8(q, rows: int, tile_k: int):
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith
+  from jax.experimental.mosaic import gpu as mgpu
+
+  i32 = ir.IntegerType.get_signless(32)
+  top = mgpu.utils.c(_i32(0xC0C0C0C0), i32)
+
+  def word_to_quad(word, j):
+    return arith.andi(word if j == 0 else arith.shli(word, mgpu.utils.c(2 * j, i32)), top)
+
+  return _int8_fragment(q, rows, tile_k, 4, word_to_quad)
+
+
 def _decode_binary(q, rows: int, tile_k: int, float_type, one_bits: int):
   """Packed-bit fragment (int8, upcast layout) -> +-1 fragment in the wgmma A layout."""
   from jax._src.lib.mlir import ir
@@ -589,7 +621,7 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
   acc_dtype = jnp.int32 if a8 else jnp.float32
   float_type = ir.BF16Type.get if act == jnp.bfloat16 else ir.F16Type.get
   one_bits = 0x3F80 if act == jnp.bfloat16 else 0x3C00
-  bits = {"binary": 8, "int4": 4, "int8": 8}[qtype]
+  bits = 4 if qtype == "int4" else 8  # shared-memory element bits (packed qtypes as bytes)
   w_cols = _w_cols(qtype, tile_k)
   kpart = k_pad // split
   k_steps = kpart // tile_k
@@ -619,10 +651,11 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
       return _int8_fragment(q, rows, tile_k, 8, lambda word, t: arith.andi(
           word, mgpu.utils.c(_i32(0x80808080 >> t), i32)))
     if a8 and ablate == "no_decode":
-      per = 8 if qtype == "binary" else 2
+      per = {"binary": 8, "int2": 4}.get(qtype, 2)
       return _int8_fragment(q, rows, tile_k, per, lambda word, j: word)
     if a8:
-      return (_decode_binary_a8 if qtype == "binary" else _decode_int4_a8)(q, rows, tile_k)
+      decode_a8 = {"binary": _decode_binary_a8, "int2": _decode_int2_a8, "int4": _decode_int4_a8}
+      return decode_a8[qtype](q, rows, tile_k)
     if qtype == "binary":
       return _decode_binary(q, rows, tile_k, float_type(), one_bits)
     return _relabel(q.astype(float_type()), rows, tile_k, per=4 if qtype == "int4" else 2)
@@ -675,7 +708,7 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
         (lin,) = info.index
         n_idx, s_idx = lin // split, lin % split
         ks = pl.ds(s_idx * kpart, kpart)
-        wks = pl.ds(s_idx * (kpart // 8), kpart // 8) if qtype == "binary" else ks
+        wks = pl.ds(s_idx * _w_cols(qtype, kpart), _w_cols(qtype, kpart)) if _BITS[qtype] < 4 else ks
         tile_rows = pl.ds(n_idx * cta_rows, cta_rows)
         wg_rows = pl.ds(wg * rows, rows)
 

@@ -187,8 +187,14 @@ def test_mosaic_gpu(qtype, lo, hi, act, m, n, k, cfg):
   assert _rel(out, ref) < FLOAT_BUDGET
 
 
+_A8_QTYPES = [("binary", -1, 2), ("int2", -2, 2), ("int4", -8, 8), ("int8", -128, 128)]
+# (qtype, lo, hi, act): int2 weights run with int8 activations only
+_QTYPE_ACTS = [(*q, act) for q in _A8_QTYPES for act in ("bfloat16", "int8")
+               if q[0] != "int2" or act == "int8"]
+
+
 @_needs_mosaic
-@pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
+@pytest.mark.parametrize("qtype,lo,hi", _A8_QTYPES)
 @pytest.mark.parametrize("m,n,k,cfg", _MOSAIC_SHAPES)
 def test_mosaic_gpu_int8_activations(qtype, lo, hi, m, n, k, cfg):
   # int8 wgmma, int32 accumulation: exact up to the f32 scaling of the result.
@@ -228,8 +234,7 @@ def test_mosaic_gpu_either_storage_order(qtype, lo, hi, order, act, m, n, k, cfg
 
 
 @_needs_mosaic
-@pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
-@pytest.mark.parametrize("act", ["bfloat16", "int8"])
+@pytest.mark.parametrize("qtype,lo,hi,act", _QTYPE_ACTS)
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("m,n,k,cfg", [
     (5, 1000, 2048, mm.MosaicConfig(tile_k=256, steps=2, wg_rows=128)),  # ragged M and N
@@ -257,8 +262,7 @@ def test_mosaic_kernel_epilogue_matches_the_xla_epilogue(qtype, lo, hi, act, out
 
 
 @_needs_mosaic
-@pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
-@pytest.mark.parametrize("act", ["bfloat16", "int8"])
+@pytest.mark.parametrize("qtype,lo,hi,act", _QTYPE_ACTS)
 @pytest.mark.parametrize("m,n,k,cfg", [
     (16, 1000, 2048, mm.MosaicConfig(tile_k=256, steps=2, wg_rows=128)),  # kernel epilogue
     (3, 700, 2048, mm.MosaicConfig(tile_k=512, steps=2, split_k=2)),  # split-K
@@ -284,13 +288,17 @@ def test_mosaic_gpu_tiled_weights_give_the_same_bits(qtype, lo, hi, act, m, n, k
 def test_auto_runs_a_mosaic_weight_on_the_kernel(qtype):
   # On the GPU "auto" runs a MosaicWeight through the Mosaic kernel: bit for bit
   # the forced kernel's output (XLA's bf16 path rounds the dequantized weights
-  # to bf16, so its numbers differ in the last bits).
+  # to bf16, so its numbers differ in the last bits). int2: int8 activations.
+  from qtrain.core import qarray as qa
   from qtrain.pallas import dispatch
   rng = np.random.default_rng(21)
-  v = jnp.asarray(rng.integers(-8, 8, (384, 1024)), jnp.int8)
+  lo, hi = {"binary": (-1, 2), "int2": (-2, 2)}.get(qtype, (-8, 8))
+  v = jnp.asarray(rng.integers(lo, hi, (384, 1024)), jnp.int8)
   w = mm.prepare_mosaic_weight(v if qtype != "binary" else jnp.where(v > 0, 1, -1), qtype,
                                scale=jnp.asarray(rng.random(384) + 0.5, jnp.float32))
   x = jnp.asarray(rng.standard_normal((3, 8, 1024)), jnp.bfloat16)
+  if qtype == "int2":
+    x = qa.quantize(x, qa.QuantizeSpec(qtype="int8", channelwise_axes=(0, 1)))
   dn = (((2,), (1,)), ((), ()))
   run = lambda impl: jax.jit(lambda x, w: dispatch.quantized_dot_general(
       x, w, dn, preferred_element_type=jnp.float32, implementation=impl))(x, w)
@@ -321,7 +329,14 @@ def test_dispatch_mosaic_int8_activations_matches_xla(qtype):
 
 
 @_needs_mosaic
-@pytest.mark.parametrize("qtype", mm.QTYPES)
+def test_dispatch_mosaic_refuses_int2_weights_with_float_activations():
+  x = jax.random.normal(jax.random.key(0), (2, 8, 512), jnp.bfloat16)
+  with pytest.raises(ValueError, match="int2 weights with bfloat16 activations"):
+    _mosaic_and_xla(x, "int2", key=1)
+
+
+@_needs_mosaic
+@pytest.mark.parametrize("qtype", [q for q in mm.QTYPES if q != "int2"])
 def test_dispatch_mosaic_matches_xla(qtype):
   x = jax.random.normal(jax.random.key(0), (2, 8, 512), jnp.bfloat16)
   wq, a, b = _mosaic_and_xla(x, qtype, key=1)

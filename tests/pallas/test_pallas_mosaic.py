@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 
+from qtrain.core import packing
 from qtrain.core import qarray as qa
 from qtrain.pallas import dispatch
 from qtrain.pallas import mosaic_layout as ml
@@ -123,8 +124,8 @@ def _a16_kernel_matrix(qtype, stored, cols, one_bits=0x3F80, act=ml_dtypes.bfloa
 
 
 def _stored(qtype, w, order):
-  if qtype == "binary":
-    return np.asarray(ml.pack_binary(w, order)).view(np.uint8)
+  if qtype in ("binary", "int2"):
+    return np.asarray(ml.pack_bits(w, qtype, order)).view(np.uint8)
   return np.asarray(ml.permute_columns(w, qtype, order))
 
 
@@ -133,9 +134,12 @@ def _sigma(qtype, order, act, cols):
   return np.concatenate([i * c + ml.activation_permutation(qtype, order, act) for i in range(cols // c)])
 
 
-@pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
-@pytest.mark.parametrize("order", ml.ORDERS)
-@pytest.mark.parametrize("act", ["float", "int8"])
+_ORDER_CASES = [(qt, lo, hi, order, act)
+                for qt, lo, hi in [("binary", -1, 2), ("int2", -2, 2), ("int4", -8, 8), ("int8", -128, 128)]
+                for order in ml.orders(qt) for act in ml.orders(qt)]
+
+
+@pytest.mark.parametrize("qtype,lo,hi,order,act", _ORDER_CASES)
 def test_every_storage_order_gives_the_dot_on_both_paths(qtype, lo, hi, order, act):
   # Each order puts column sigma(kc) in every wgmma slot kc of either path (sigma the
   # identity where the order is laid out for the path's activations), and the
@@ -179,6 +183,9 @@ def _a8_kernel_matrix(qtype, stored, cols):
   if qtype == "binary":
     load, per, decode = fa.WGMMA_LAYOUT_UPCAST_2X, 8, mm.binary_int8_bits
     shape, slot_bits = (64, cols // 8), 8
+  elif qtype == "int2":
+    load, per, decode = fa.WGMMA_LAYOUT_UPCAST_2X, 4, mm.int2_int8_bits
+    shape, slot_bits = (64, cols // 4), 8
   else:
     load, per, decode = fa.WGMMA_LAYOUT_UPCAST_4X, 2, mm.int4_int8_bits
     shape, slot_bits = (64, cols), 4
@@ -207,15 +214,26 @@ def test_int8_activation_check_has_teeth():
   assert mm.binary_int8_bits(0xFFFFFFFF, 0) == 0x40404040  # all bits set: +64 each
   assert mm.binary_int8_bits(0, 3) == 0xC0C0C0C0  # none set: -64 each
   assert mm.int4_int8_bits(0x87654321, 0) == 0x70503010 and mm.int4_int8_bits(0x87654321, 1) == 0x80604020
+  # int2 fields 0..3 of byte 0x4E are -2, -1, 0, 1: j = 0 takes field 3, j = 3 field 0 (x 64)
+  assert [mm.int2_int8_bits(0x4E4E4E4E, j) & 0xFF for j in range(4)] == [0x40, 0x00, 0xC0, 0x80]
+  w2 = rng.integers(-2, 2, (64, cols))
+  a2 = _a8_kernel_matrix("int2", np.asarray(ml.pack_bits(w2, "int2", "int8")).view(np.uint8), cols)
+  natural = np.asarray(packing.pack(jnp.asarray(w2, jnp.int8), "int2")).view(np.uint8)  # unpermuted
+  bad = _a8_kernel_matrix("int2", natural.reshape(64, -1), cols)
+  assert np.array_equal(a2, 64 * w2) and np.mean(bad != 64 * w2) > 0.5
 
 
 def test_pack_binary_round_trip_and_permutations():
   rng = np.random.default_rng(4)
   w = np.where(rng.random((5, 384)) > 0.5, 1, -1).astype(np.int8)
   np.testing.assert_array_equal(ml.unpack_binary(ml.pack_binary(w), 384), w)
-  for qtype in ("int8", "int4"):
-    perm = ml.column_permutation(qtype)
+  for qtype in ("int8", "int4", "int2"):
+    perm = ml.column_permutation(qtype, ml.orders(qtype)[0])
     np.testing.assert_array_equal(np.sort(perm), np.arange(ml.CHUNK[qtype]))
+  w2 = rng.integers(-2, 2, (5, 384)).astype(np.int8)
+  packed = ml.pack_bits(w2, "int2", "int8")
+  assert packed.shape == (5, 96) and packed.dtype == jnp.int8
+  np.testing.assert_array_equal(ml.unpack_bits(packed, "int2", 384, "int8"), w2)
 
 
 def test_layout_errors_name_the_bad_value():
@@ -223,8 +241,12 @@ def test_layout_errors_name_the_bad_value():
     ml.pack_binary(jnp.ones((2, 100)))
   with pytest.raises(ValueError, match="K=40 must be a multiple of 32 for int4"):
     ml.permute_columns(jnp.ones((2, 40)), "int4")
-  with pytest.raises(ValueError, match="'int2'"):
-    ml.column_permutation("int2")
+  with pytest.raises(ValueError, match="'ternary'"):
+    ml.column_permutation("ternary")
+  with pytest.raises(ValueError, match="order='float': int2 weights run with int8 activations only"):
+    ml.column_permutation("int2", "float")
+  with pytest.raises(ValueError, match="order='float': int2 weights run with int8 activations only"):
+    ml.decode_slots("int2", "float")
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -244,6 +266,7 @@ def test_config_validation(kw, match):
 @pytest.mark.parametrize("act", [jnp.bfloat16, jnp.int8])
 def test_default_config_fits_and_tiles(qtype, n, k, m, act):
   w = jax.eval_shape(lambda v: mm.prepare_mosaic_weight(v, qtype), jax.ShapeDtypeStruct((n, k), jnp.int8))
+  assert w.order == ("int8" if qtype == "int2" else "float")
   cfg = mm.default_config(w, m, num_sms=132, act_dtype=act)
   assert mm.smem_bytes(qtype, m, cfg, jnp.dtype(act).itemsize) <= mm.SMEM_BYTES
   assert cfg.wg_rows * cfg.tile_k * jnp.dtype(act).itemsize <= 65536  # decoded registers
@@ -331,8 +354,12 @@ def test_prepare_pads_and_lays_out():
 
 def test_prepare_and_matmul_errors():
   v = jnp.ones((8, 512), jnp.int8)
-  with pytest.raises(ValueError, match="qtype='int2'"):
-    mm.prepare_mosaic_weight(v, "int2")
+  with pytest.raises(ValueError, match="qtype='ternary'"):
+    mm.prepare_mosaic_weight(v, "ternary")
+  with pytest.raises(ValueError, match="order='float'; valid for int2 weights"):
+    mm.prepare_mosaic_weight(v, "int2", order="float")
+  with pytest.raises(mm.UnsupportedCall, match="int2 weights with bfloat16 activations"):
+    mm.checked_config(jnp.ones((4, 512), jnp.bfloat16), mm.prepare_mosaic_weight(v, "int2"))
   with pytest.raises(ValueError, match="3 entries"):
     mm.prepare_mosaic_weight(v, "int8", scale=jnp.ones(3))
   with pytest.raises(ValueError, match="2-D"):
@@ -435,8 +462,8 @@ def test_plan_mosaic_takes_int8_activation_qarrays():
     dispatch._plan_mosaic(qa.quantize(x, qa.QuantizeSpec(qtype="int8", calibration="minmax")), wq, dn)
 
 
-@pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("int4", -8, 8), ("int8", -128, 128)])
-@pytest.mark.parametrize("order", ml.ORDERS)
+@pytest.mark.parametrize("qtype,lo,hi,order", [(qt, lo, hi, order) for qt, lo, hi, order, act in _ORDER_CASES
+                                               if order == act])
 @pytest.mark.parametrize("tiles", [None, (256, 256), (128, 512)])
 def test_mosaic_weight_values_undo_the_storage_order(qtype, lo, hi, order, tiles):
   v = np.random.default_rng(13).integers(lo, hi, (300, 1000)).astype(np.int8)
