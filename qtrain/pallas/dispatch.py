@@ -385,12 +385,13 @@ def _mosaic_weight_qarray(w):
 
 def _auto_mosaic(lhs, w, dimension_numbers, out_dtype) -> jax.Array:
   """"auto" with a MosaicWeight: the Mosaic kernel where it runs (a CUDA
-  lowering, jax >= 0.11, a dot it takes), elsewhere XLA on the stored codes."""
+  lowering, jax >= 0.11, a dot it takes; not on a GPU older than Hopper),
+  elsewhere XLA on the stored codes."""
   from qtrain.core import qdot  # lazy: qtrain.core imports this module
   _check_last_axis_dims(lhs, dimension_numbers, "MosaicWeight")
   xla = lambda: qdot.dot_general_quantized_xla(lhs, _mosaic_weight_qarray(w), dimension_numbers,
                                                preferred_element_type=out_dtype)
-  if jax.__version_info__ < (0, 11):
+  if jax.__version_info__ < (0, 11) or (_common.on_gpu() and not _common.on_hopper()):
     return xla()
   try:
     x, x_scale, w, out_shape = _plan_mosaic(lhs, w, dimension_numbers)
