@@ -84,9 +84,9 @@ _KERNEL_QTYPES = ("binary", "ternary", "int2", "int4", "int8")
 # of at least this many rows (M) on the Mosaic GEMM (qtrain.pallas.mosaic_gemm;
 # Hopper, jax >= 0.11). Measured against XLA's cuBLAS int8 GEMM + its separate
 # int32 -> scaled float pass (benchmarks/RESULTS.md, "Mosaic int8 GEMM", H200):
-# M = 512 is mixed (0.90x at K = N = 4096, 1.11x at K = 8192, N = 28672), from
-# M = 1024 it wins on every measured shape (1.08-1.31x).
-AUTO_GEMM_MIN_M = 1024
+# 1.09-1.44x at M = 512 (with (128, 128) CTA tiles where (128, 256) ones would
+# leave most SMs idle), 1.08-1.31x from M = 1024; smaller M is not measured.
+AUTO_GEMM_MIN_M = 512
 
 AUTO_KERNEL: dict[tuple[str, str, int], bool] = {
     ("int8", "qarray-nk", 16): True,

@@ -113,12 +113,19 @@ def smem_bytes(cfg: GemmConfig, out_dtype=jnp.bfloat16) -> int:
   return cfg.steps * stage + _WGS * 2 * _EPI**2 * jnp.dtype(out_dtype).itemsize
 
 
-def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16) -> GemmConfig:
-  """Measured default (benchmarks/RESULTS.md, "Mosaic int8 GEMM"): the deepest
+def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16,
+                   num_sms: int | None = None) -> GemmConfig:
+  """Measured default (benchmarks/RESULTS.md, "Mosaic int8 GEMM", H200): (128, 256)
+  CTA tiles; (128, 128) where the larger tiles would leave more than half of the SMs
+  without a tile (M = 512 at K = N = 4096: 16.7 against 26.5 µs); the deepest
   pipeline (at most 4 steps) that fits in shared memory with ``out_dtype``."""
-  del m, n, k
+  del k
+  sms = num_sms or _num_sms()
+  base = GemmConfig()
+  if (m // base.cta_m) * (n // base.cta_n) <= sms // 2 and n % (base.cta_n // 2) == 0:
+    base = GemmConfig(tile_n=base.tile_n // 2)
   for steps in range(4, 1, -1):
-    cfg = GemmConfig(steps=steps)
+    cfg = dataclasses.replace(base, steps=steps)
     if smem_bytes(cfg, out_dtype) <= SMEM_BYTES:
       return cfg
   raise AssertionError("unreachable: two steps of the default tiles always fit")

@@ -60,6 +60,15 @@ def test_default_config_fits_and_tiles_the_ctas(out_dtype):
   assert (mg.GemmConfig(wg_axis="m").cta_m, mg.GemmConfig(wg_axis="m").cta_n) == (256, 128)
 
 
+def test_default_config_keeps_the_sms_busy():
+  # (128, 256) CTA tiles, or (128, 128) where those would leave more than half the SMs idle
+  assert mg.default_config(8192, 16384, 4096, num_sms=132) == mg.GemmConfig()
+  assert mg.default_config(1024, 4096, 4096, num_sms=132) == mg.GemmConfig()  # 128 tiles
+  small = mg.default_config(512, 4096, 4096, num_sms=132)  # 64 tiles of (128, 256)
+  assert (small.cta_m, small.cta_n) == (128, 128) and small.steps == 4
+  assert mg.default_config(512, 4096, 4096, num_sms=64) == mg.GemmConfig()
+
+
 def test_checked_config_errors():
   a, b = jnp.ones((256, 256), jnp.int8), jnp.ones((512, 256), jnp.int8)
   assert mg.checked_config(a, b) == mg.default_config(256, 512, 256)
@@ -70,7 +79,7 @@ def test_checked_config_errors():
   with pytest.raises(ValueError, match="out_dtype=int32"):
     mg.checked_config(a, b, out_dtype=jnp.int32)
   with pytest.raises(UnsupportedCall, match=r"\(M, N, K\) = \(200, 512, 256\).*\(128, 256\)"):
-    mg.checked_config(jnp.ones((200, 256), jnp.int8), b)
+    mg.checked_config(jnp.ones((200, 256), jnp.int8), b, mg.GemmConfig())
   with pytest.raises(UnsupportedCall, match="shared memory"):
     mg.checked_config(a, b, mg.GemmConfig(tile_k=256, steps=4))
   big = jax.ShapeDtypeStruct((128, mg.MAX_K + 128), jnp.int8)
