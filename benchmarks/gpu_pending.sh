@@ -17,6 +17,7 @@
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 13  # training steps side by side with the Mosaic GEMM, D = 4096
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 14  # GPU suite; training steps with the Mosaic GEMM, D = 1024
 #   OUT=/tmp/out bash benchmarks/gpu_pending.sh 15  # Mosaic int2 (W2A8): GPU tests, kernel table at M = 1, 16, 64
+#   OUT=/tmp/out bash benchmarks/gpu_pending.sh 16  # GPU suite; Mosaic GEMM table at M = 512 / 4096 (wave-aware default)
 #
 # Needs qwix as a wheel in .whl/ for the qwix rows (see benchmarks/RESULTS.md).
 set -u
@@ -89,6 +90,11 @@ timeout 200 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/pallas/te
 timeout 330 python3 benchmarks/kernels.py --ms 16,1,64 --shapes 8192x28672,4096x4096 --budget-s 300 --check \
   --kernels "int2 W2A16 g128,mosaic W1A8,mosaic W2A8,mosaic W2A8 tiled,mosaic W4A8 tiled" \
   --json "$OUT/kernels_int2.json" 2>&1 | grep -v Warn | tee "$OUT/kernels_int2.log" | grep "^|"
+elif [ "$PART" = 16 ]; then
+timeout 330 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider tests 2>&1 | grep -v Warn | tail -8 | tee "$OUT/gpu_tests_final.log"
+timeout 150 python3 benchmarks/kernels.py --ms 512,4096 --check --budget-s 120 \
+  --kernels "mosaic gemm W8A8,mosaic gemm W1A8" \
+  --json "$OUT/kernels_gemm2.json" 2>&1 | grep -v Warn | tee "$OUT/kernels_gemm2.log" | grep "^|"
 elif [ "$PART" = 7 ]; then
 timeout 330 python3 benchmarks/train_step.py --widths 4096 --tokens 8192 --steps 10 --repeats 3 \
   --configs bf16,qtrain_fp8_nosr_xla,qwix_fp8 --json "$OUT/step_fp8_xla.json" 2>&1 | grep -v Warning | tee "$OUT/step_fp8_xla.log" | tail -9
