@@ -71,6 +71,15 @@ def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
 
+def num_sms() -> int:
+  """Streaming multiprocessors of the first GPU (132, an H100/H200 SXM, without one:
+  configs chosen off a GPU, e.g. in CPU tests, assume that machine)."""
+  try:
+    return int(jax.local_devices(backend="gpu")[0].core_count)
+  except (RuntimeError, AttributeError, IndexError):
+    return 132
+
+
 def on_hopper() -> bool:
   """Whether this process has a Hopper (compute capability 9.x) GPU."""
   try:

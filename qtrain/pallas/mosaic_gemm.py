@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from qtrain.pallas import _common
-from qtrain.pallas.mosaic_matmul import SMEM_BYTES, UnsupportedCall, _num_sms
+from qtrain.pallas.mosaic_matmul import SMEM_BYTES, UnsupportedCall
 
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 TILE_MS = (64, 128)  # rows per consumer warpgroup (one or two wgmma M=64 instructions)
@@ -120,7 +120,7 @@ def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16,
   without a tile (M = 512 at K = N = 4096: 16.7 against 26.5 µs); the deepest
   pipeline (at most 4 steps) that fits in shared memory with ``out_dtype``."""
   del k
-  sms = num_sms or _num_sms()
+  sms = num_sms or _common.num_sms()
   base = GemmConfig()
   if (m // base.cta_m) * (n // base.cta_n) <= sms // 2 and n % (base.cta_n // 2) == 0:
     base = GemmConfig(tile_n=base.tile_n // 2)
@@ -286,7 +286,7 @@ def _kernel(a, b, sa, sb, *, cfg: GemmConfig, out_dtype) -> jax.Array:
 
   call = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-      grid=(min(_num_sms(), m_tiles * n_tiles),), grid_names=("sm",),
+      grid=(min(_common.num_sms(), m_tiles * n_tiles),), grid_names=("sm",),
       num_threads=_WGS + 1, thread_name="wg",
       scratch_types=dict(o_smem=plgpu.SMEM((_WGS, 2, epi, epi), out_dtype, transforms=o_tr)))
   return call(a, b, sa, sb)

@@ -175,7 +175,7 @@ def auto_tiles(n: int, num_sms: int | None = None) -> tuple[int, int] | None:
 
 def _large_layer(n_pad: int, num_sms: int | None = None) -> bool:
   """More 64-row-warpgroup CTA tiles than SMs: where the defaults take 256-row CTA tiles."""
-  return n_pad // (_WGS * 64) > (num_sms or _num_sms())
+  return n_pad // (_WGS * 64) > (num_sms or _common.num_sms())
 
 
 def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None,
@@ -276,7 +276,7 @@ def default_config(w: MosaicWeight, m: int, num_sms: int | None = None,
   fewer (then smaller tiles) where M's activation tiles would overflow shared
   memory. int8 activations (``act_dtype``) use the same tiles.
   """
-  sms = num_sms or _num_sms()
+  sms = num_sms or _common.num_sms()
   ab = jnp.dtype(act_dtype).itemsize
   steps = 4 if w.qtype in ("binary", "int2") else 3
   if w.tiles is not None:  # the stored tiles; the deepest pipeline that fits
@@ -304,7 +304,7 @@ def default_config(w: MosaicWeight, m: int, num_sms: int | None = None,
 
 def with_split(w: MosaicWeight, cfg: MosaicConfig, num_sms: int | None = None) -> MosaicConfig:
   """``cfg`` with ``split_k`` doubled while the CTAs still fit in one wave of SMs."""
-  sms = num_sms or _num_sms()
+  sms = num_sms or _common.num_sms()
   tiles = w.n_pad // cfg.cta_rows
   split = 1
   while tiles * split * 2 <= sms and w.k_pad % (cfg.tile_k * split * 2) == 0:
@@ -315,13 +315,6 @@ def with_split(w: MosaicWeight, cfg: MosaicConfig, num_sms: int | None = None) -
 def _w_cols(qtype: str, tile_k: int) -> int:
   """Stored columns of one tile_k step (binary: 8 weights per byte, int2: 4)."""
   return tile_k * _BITS[qtype] // 8 if qtype in ("binary", "int2") else tile_k
-
-
-def _num_sms() -> int:
-  try:
-    return int(jax.local_devices(backend="gpu")[0].core_count)
-  except (RuntimeError, AttributeError, IndexError):
-    return 132  # H100/H200 SXM
 
 
 def mosaic_matmul(x: jax.Array, w: MosaicWeight, *, x_scale=None, out_dtype=jnp.float32,
@@ -762,7 +755,7 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
     o_smem = plgpu.SMEM((_WGS, rows, mp), acc_dtype, transforms=o_tr)
   call = plgpu.kernel(
       body, out_type=out_type,
-      grid=(min(_num_sms(), n_tiles * split),), grid_names=("sm",),
+      grid=(min(_common.num_sms(), n_tiles * split),), grid_names=("sm",),
       num_threads=_WGS + 1, thread_name="wg",
       scratch_types=dict(o_smem=o_smem))
   return call(w, x, *scales)

@@ -159,18 +159,26 @@ def test_dispatch_off_hopper():
                                    implementation="mosaic")
 
 
+def _w8a8_qt_case(m, k, n, *, seed, w_std, sr, implementation):
+  """bf16 x (m, k), w (k, n) (standard deviation ``w_std``) and cotangent (m, n), and a
+  w8a8 QT config with int8 gradients (``sr`` stochastic rounding) on ``implementation``."""
+  ks = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(ks[0], (m, k), jnp.bfloat16)
+  w = jax.random.normal(ks[1], (k, n), jnp.bfloat16) * w_std
+  ct = jax.random.normal(ks[2], (m, n), jnp.bfloat16)
+  gq = C.GradQuant(qtype="int8", stochastic_rounding=sr)
+  cfg = C.DotGeneralQtConfig(lhs=C.OperandQuant(qtype="int8"), rhs=C.OperandQuant(qtype="int8"),
+                             dlhs_grad=gq, drhs_grad=gq, implementation=implementation)
+  return x, w, ct, cfg
+
+
 @pytest.mark.parametrize("given_scale", [False, True])
 def test_backward_products_in_the_operand_dtype_give_the_same_gradients(monkeypatch, given_scale):
   # The QT backward writes each product in its operand's dtype (bf16 here)
   # where only a mask and a cast follow; forcing float32 products must give
   # the same gradients, bit for bit.
-  ks = jax.random.split(jax.random.key(3), 3)
-  x = jax.random.normal(ks[0], (64, 128), jnp.bfloat16)
-  w = jax.random.normal(ks[1], (128, 96), jnp.bfloat16) * 0.1
-  ct = jax.random.normal(ks[2], (64, 96), jnp.bfloat16)
-  gq = C.GradQuant(qtype="int8", stochastic_rounding="uniform")
-  cfg = C.DotGeneralQtConfig(lhs=C.OperandQuant(qtype="int8"), rhs=C.OperandQuant(qtype="int8"),
-                             dlhs_grad=gq, drhs_grad=gq, implementation="xla")
+  x, w, ct, cfg = _w8a8_qt_case(64, 128, 96, seed=3, w_std=0.1, sr="uniform",
+                                implementation="xla")
   scales = (jnp.full((64, 1), 0.02), None) if given_scale else (None, None)
 
   def grads():
@@ -250,13 +258,8 @@ def test_qt_gradients_on_the_gemm_equal_cublas(monkeypatch):
   # An int8 QT op with int8 gradients: forward and both backward products on
   # the Mosaic GEMM ("auto") give the same output and gradients as on XLA's
   # cuBLAS int8 GEMM (the GEMM switched off), bit for bit.
-  ks = jax.random.split(jax.random.key(4), 3)
-  x = jax.random.normal(ks[0], (1024, 512), jnp.bfloat16)
-  w = jax.random.normal(ks[1], (512, 768), jnp.bfloat16) * 0.05
-  ct = jax.random.normal(ks[2], (1024, 768), jnp.bfloat16)
-  gq = C.GradQuant(qtype="int8", stochastic_rounding="low_bit_uniform")
-  cfg = C.DotGeneralQtConfig(lhs=C.OperandQuant(qtype="int8"), rhs=C.OperandQuant(qtype="int8"),
-                             dlhs_grad=gq, drhs_grad=gq, implementation="auto")
+  x, w, ct, cfg = _w8a8_qt_case(1024, 512, 768, seed=4, w_std=0.05, sr="low_bit_uniform",
+                                implementation="auto")
 
   def run():
     f = lambda x, w: dot_general_qt(x, w, DN, cfg, key=jax.random.key(9))
