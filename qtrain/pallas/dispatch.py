@@ -303,9 +303,10 @@ class _GemmPlan:
   out_shape: tuple[int, ...]
 
 
-def _plan_gemm(lhs, rhs, dimension_numbers, out_dtype) -> _GemmPlan:
+def _plan_gemm(lhs, rhs, dimension_numbers, out_dtype, min_m: int = 1) -> _GemmPlan:
   """Both operands symmetric integer QArrays of <= 8 bits with per-row / per-column
-  scales, no batch axes, a float output: the Mosaic GEMM's call; else _Unsupported."""
+  scales, no batch axes, a float output, at least ``min_m`` rows: the Mosaic GEMM's
+  call; else _Unsupported (raised before any operand is transposed)."""
   for what, q in (("lhs", lhs), ("rhs", rhs)):
     if not _is_qarray(q):
       raise _Unsupported(f"the {what} is not a QArray (the Mosaic GEMM takes int8 x int8)")
@@ -317,6 +318,9 @@ def _plan_gemm(lhs, rhs, dimension_numbers, out_dtype) -> _GemmPlan:
     raise _Unsupported(f"output dtype {jnp.dtype(out_dtype)} (the Mosaic GEMM writes "
                        f"{[str(d) for d in _gemm.OUT_DTYPES]})")
   lc, rc, lfree, rfree = _axes(lhs, rhs, dimension_numbers)
+  m = math.prod(lhs.shape[i] for i in lfree)
+  if m < min_m:
+    raise _Unsupported(f"M={m} (below {min_m} rows)")
   a = _gemm_operand(lhs.qvalue, lc, lfree)
   b = _gemm_operand(rhs.qvalue, rc, rfree)
   if 0 in a.shape or b.shape[0] == 0:
@@ -336,9 +340,8 @@ def _gemm_operand(x, contract, free):
   return x.reshape(math.prod(x.shape[:len(free)]), -1).astype(jnp.int8)
 
 
-def _run_gemm(plan: _GemmPlan, out_dtype, cfg=None) -> jax.Array:
-  out = _gemm._gemm(plan.a, plan.b, plan.a_scale, plan.b_scale, out_dtype,
-                    cfg or _gemm.checked_config(plan.a, plan.b, None, out_dtype))
+def _run_gemm(plan: _GemmPlan, out_dtype, cfg) -> jax.Array:
+  out = _gemm._gemm(plan.a, plan.b, plan.a_scale, plan.b_scale, out_dtype, cfg)
   return out.reshape(plan.out_shape)
 
 
@@ -348,9 +351,7 @@ def _auto_gemm(lhs, rhs, dimension_numbers, out_dtype) -> tuple[_GemmPlan, Any] 
   if jax.__version_info__ < (0, 11) or not _common.on_hopper():
     return None
   try:
-    plan = _plan_gemm(lhs, rhs, dimension_numbers, out_dtype)
-    if plan.a.shape[0] < AUTO_GEMM_MIN_M:
-      return None
+    plan = _plan_gemm(lhs, rhs, dimension_numbers, out_dtype, min_m=AUTO_GEMM_MIN_M)
     return plan, _gemm.checked_config(plan.a, plan.b, None, out_dtype)
   except (_Unsupported, _mosaic.UnsupportedCall):
     return None
@@ -360,11 +361,11 @@ def _run_mosaic(lhs, rhs, dimension_numbers, out_dtype) -> jax.Array:
   # What the kernel cannot take is reported first; mosaic_matmul then refuses a
   # non-GPU backend (and jax < 0.11) by name.
   if not isinstance(rhs, _mosaic.MosaicWeight):
-    try:
-      gemm = _plan_gemm(lhs, rhs, dimension_numbers, out_dtype)
+    try:  # large M: the GEMM
+      gemm = _plan_gemm(lhs, rhs, dimension_numbers, out_dtype, min_m=_mosaic.MAX_M + 1)
     except _Unsupported:
       gemm = None
-    if gemm is not None and gemm.a.shape[0] > _mosaic.MAX_M:  # large M: the GEMM
+    if gemm is not None:
       return _gemm.mosaic_gemm(gemm.a, gemm.b, a_scale=gemm.a_scale, b_scale=gemm.b_scale,
                                out_dtype=out_dtype).reshape(gemm.out_shape)
   try:

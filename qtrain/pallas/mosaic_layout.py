@@ -62,7 +62,7 @@ import numpy as np
 from qtrain.core import packing
 
 CHUNK = {"int8": 16, "int4": 32, "int2": 64, "binary": 128}  # K columns per permutation chunk
-_PACKED_BITS = {"binary": 1, "int2": 2}  # bit-packed qtypes: bits per stored field
+PACKED = ("binary", "int2")  # qtypes stored as bytes of several bit fields (pack_bits)
 
 # Byte order of the four thread quads inside a 16-byte chunk (UPCAST_2X).
 _QUAD_ORDER = (0, 2, 1, 3)

@@ -224,7 +224,7 @@ def prepare_mosaic_weight(values: jax.Array, qtype: str, *, scale=None,
                        f"'auto' or None")
   n_pad, k_pad = _common.round_up(n, N_ALIGN), _common.round_up(k, K_ALIGN)
   values = jnp.pad(values.astype(jnp.int8), ((0, n_pad - n), (0, k_pad - k)))
-  if qtype in ("binary", "int2"):
+  if qtype in mosaic_layout.PACKED:
     data = mosaic_layout.pack_bits(values, qtype, order)
   else:
     data = mosaic_layout.permute_columns(values, qtype, order)
@@ -247,7 +247,7 @@ def mosaic_weight_values(w: MosaicWeight) -> jax.Array:
   data = w.data.astype(jnp.int8)
   if w.tiles is not None:
     data = mosaic_layout.untile(data, w.n_pad, w.tiles[0], _w_cols(w.qtype, w.tiles[1]))
-  if w.qtype in ("binary", "int2"):
+  if w.qtype in mosaic_layout.PACKED:
     values = mosaic_layout.unpack_bits(data, w.qtype, w.k_pad, w.order)
   else:
     values = mosaic_layout.unpermute_columns(data, w.qtype, w.order)
@@ -278,7 +278,7 @@ def default_config(w: MosaicWeight, m: int, num_sms: int | None = None,
   """
   sms = num_sms or _common.num_sms()
   ab = jnp.dtype(act_dtype).itemsize
-  steps = 4 if w.qtype in ("binary", "int2") else 3
+  steps = 4 if w.qtype in mosaic_layout.PACKED else 3
   if w.tiles is not None:  # the stored tiles; the deepest pipeline that fits
     for st in range(steps, 1, -1):
       cfg = MosaicConfig(tile_k=w.tiles[1], steps=st, wg_rows=w.tiles[0] // _WGS)
@@ -314,7 +314,7 @@ def with_split(w: MosaicWeight, cfg: MosaicConfig, num_sms: int | None = None) -
 
 def _w_cols(qtype: str, tile_k: int) -> int:
   """Stored columns of one tile_k step (binary: 8 weights per byte, int2: 4)."""
-  return tile_k * _BITS[qtype] // 8 if qtype in ("binary", "int2") else tile_k
+  return tile_k * _BITS[qtype] // 8 if qtype in mosaic_layout.PACKED else tile_k
 
 
 def mosaic_matmul(x: jax.Array, w: MosaicWeight, *, x_scale=None, out_dtype=jnp.float32,
@@ -701,7 +701,7 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
         (lin,) = info.index
         n_idx, s_idx = lin // split, lin % split
         ks = pl.ds(s_idx * kpart, kpart)
-        wks = pl.ds(s_idx * _w_cols(qtype, kpart), _w_cols(qtype, kpart)) if _BITS[qtype] < 4 else ks
+        wks = pl.ds(s_idx * _w_cols(qtype, kpart), _w_cols(qtype, kpart))  # stored columns
         tile_rows = pl.ds(n_idx * cta_rows, cta_rows)
         wg_rows = pl.ds(wg * rows, rows)
 

@@ -89,7 +89,7 @@ def test_checked_config_errors():
     mg.mosaic_gemm_reference(a, b, a_scale=jnp.ones(3))
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU error")
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error off a GPU (on a GPU the kernel runs)")
 def test_mosaic_gemm_off_gpu_says_so():
   a, b = jnp.ones((128, 128), jnp.int8), jnp.ones((256, 128), jnp.int8)
   with pytest.raises(ValueError, match="runs on a GPU; this backend is 'cpu'"):
@@ -147,9 +147,11 @@ def test_plan_gemm_refuses_what_it_cannot_take():
     dispatch._plan_gemm(x, grouped, DN, jnp.float32)
   with pytest.raises(dispatch._Unsupported, match="output dtype int32"):
     dispatch._plan_gemm(x, w, DN, jnp.int32)
+  with pytest.raises(dispatch._Unsupported, match=r"M=256 \(below 257 rows\)"):
+    dispatch._plan_gemm(x, w, DN, jnp.float32, min_m=257)
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU paths")
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks dispatch off a GPU (GPU dispatch: the tests below)")
 def test_dispatch_off_hopper():
   x, w = _int8_qarrays(256, 384, 512)
   assert not _common.on_hopper()
