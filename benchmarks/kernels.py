@@ -1,8 +1,8 @@
 """Benchmark of qtrain's Pallas kernels against XLA bf16 and XLA int8.
 
 Usage (on the GPU machine, from the repository root):
-  PYTHONPATH=. python benchmarks/kernels.py [--explore] [--check] [--append]
-      [--budget-s 420] [--json OUT.json]
+  python3 benchmarks/kernels.py [--ms 1,16] [--shapes 8192x28672] [--kernels "mosaic W1A8,..."]
+      [--check] [--explore] [--budget-s 420] [--out-dir DIR] [--results PATH]
 
 Rows: M in {1, 16, 64, 512, 4096}; (K, N) in {(4096, 4096), (8192, 28672)}.
 Columns: time (µs, median of loop-amortized repeats, benchmarks/_timing.py),
@@ -10,9 +10,12 @@ speedup over the best XLA bf16 (default flags, and
 --xla_gpu_enable_triton_gemm=false measured in a subprocess since the flag must
 precede jax's initialisation), weight-stream TB/s and its fraction of the
 measured copy bandwidth, TFLOP/s and its fraction of the measured bf16 peak.
+The run's JSON record goes to --out-dir and, on a GPU, its rows into the kernel
+table of benchmarks/RESULTS.md (benchmarks/_record.py).
 --explore tries several block configs per kernel and shape (at --explore-ms) and
 uses the best (printing them to paste into the kernels' CONFIGS tables).
---merge a.json b.json ... renders one table from several --json outputs.
+"int2 W2A8 g128" / "int4 W4A8 g128" are the Triton group-scale kernels with int8
+activations on (N, K)-stored words.
 "mosaic gemm ..." is the large-M int8 GEMM (qtrain.pallas.mosaic_gemm; M a multiple of 128).
 "mosaic ..." kernels run on weights laid out for their activations (order="int8"
 for the A8 ones); "mosaic ... tiled" on the same weights stored tile by tile
@@ -22,7 +25,6 @@ for the A8 ones); "mosaic ... tiled" on the same weights stored tile by tile
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -37,7 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import _timing  # noqa: E402
+from benchmarks import _record, _timing  # noqa: E402
 from qtrain.pallas import binary_matmul as bmm  # noqa: E402
 from qtrain.pallas import int8_matmul as imm  # noqa: E402
 from qtrain.pallas import mosaic_gemm as mg  # noqa: E402
@@ -57,8 +59,11 @@ _MOSAIC_QTYPE = {"mosaic W1A16": "binary", "mosaic W4A16": "int4", "mosaic W8A16
 _MOSAIC_QTYPE.update({f"{k} tiled": v for k, v in list(_MOSAIC_QTYPE.items())})
 # The Mosaic int8 GEMM (large M; operands as int8 codes, binary weights as +-1) and its weights.
 _GEMM_QTYPE = {"mosaic gemm W8A8": "int8", "mosaic gemm W1A8": "binary"}
+# Triton group-scale kernels with int8 activations (weights as (N, K) words)
+_GROUP_A8 = ("int2 W2A8 g128", "int4 W4A8 g128")
 KERNELS = ("binary W1A16", "binary W1A8", "binary W1A1", "int2 W2A16 g128", "int4 W4A16 g128",
-           "int4 W4A16", "int8 W8A16", "int8 x int8") + tuple(_MOSAIC_QTYPE) + tuple(_GEMM_QTYPE)
+           "int4 W4A16", "int8 W8A16", "int8 x int8") + _GROUP_A8 + tuple(_MOSAIC_QTYPE) + tuple(
+               _GEMM_QTYPE)
 
 
 def weight_bytes(kernel: str, n: int, k: int) -> float:
@@ -83,7 +88,7 @@ def weight_bytes(kernel: str, n: int, k: int) -> float:
 def candidates(kernel: str, m: int, n: int, k: int) -> list[BlockConfig | None]:
   """Block configs tried by --explore (and when a default config fails)."""
   if kernel in _MOSAIC_QTYPE or kernel in _GEMM_QTYPE:
-    return [None]  # explored in benchmarks/explore_mosaic.py / explore_gemm.py
+    return [None]  # their config grids: docs/findings.md (explore_mosaic.py, explore_gemm.py)
   if m <= 64:
     bm = 16 if m <= 16 else 64
     if n >= 16384:
@@ -136,7 +141,17 @@ class Operands:
                          "int4": (self.w4_values, s4),
                          "int8": (self.w8_values, self.w8_scale)}
     self.mosaic = {}
+    self.packed_nk = {}  # the group-scale A8 kernels' (N, K) words, prepared on first use
     jax.block_until_ready((self.w_bin, self.w8, self.packed, self.xw, self.w4))
+
+
+def _packed_nk(ops: Operands, qtype: str):
+  """``qtype``'s group-scale weight as (N, K) words (the W{2,4}A8 kernels' layout)."""
+  if qtype not in ops.packed_nk:
+    q, s, _ = ops.packed[qtype]
+    ops.packed_nk[qtype] = jax.block_until_ready(
+        prepared.prepare_weight(q, qtype, scale=s, group_size=GROUP))
+  return ops.packed_nk[qtype]
 
 
 def _mosaic_a8(kernel: str) -> bool:
@@ -165,7 +180,7 @@ def kernel_fn(kernel: str, ops: Operands, config, method: str = "mma"):
       acc = lax.dot_general(xq, wq, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
       return (acc.astype(jnp.float32) * xs[:, None] * ws[None, :]).astype(out)
     return f, (ops.xq, ops.w8_values, ops.xs, ops.w8_scale)
-  # Weight layouts measured best in benchmarks/explore.py: (K, N) words for
+  # Weight layouts measured best (docs/findings.md, explore.py): (K, N) words for
   # 16-bit activations and for the large-M flat path, (N, K) for int8 at small M.
   if kernel == "binary W1A16":
     return (lambda x, w: bmm.binary_matmul(x, w, out_dtype=out, config=config)), (ops.x, ops.w_bin_kn)
@@ -176,6 +191,9 @@ def kernel_fn(kernel: str, ops: Operands, config, method: str = "mma"):
   if kernel == "binary W1A1":
     return (lambda x, w: bmm.binary_matmul(x, w, out_dtype=out, config=config, method=method)), (
         ops.xw, ops.w_bin)
+  if kernel in _GROUP_A8:
+    return (lambda x, w, s: nbm.nbit_matmul(x, w, x_scale=s, out_dtype=out, config=config)), (
+        ops.xq, _packed_nk(ops, kernel[:4]), ops.xs)
   if kernel == "int4 W4A16":  # per-channel scales
     return (lambda x, w: nbm.nbit_matmul(x, w, out_dtype=out, config=config)), (ops.x, ops.w4)
   if kernel.startswith("int2") or kernel.startswith("int4"):
@@ -218,6 +236,9 @@ def reference(kernel: str, ops: Operands) -> jax.Array:
     return mm.mosaic_matmul_reference(ops.x, vals, qt, w_scale=w.w_scale)
   if kernel == "int4 W4A16":
     return nbm.nbit_matmul_reference(ops.x, ops.w4_values, w_scale=ops.w4_scale)
+  if kernel in _GROUP_A8:
+    q, s, _ = ops.packed[kernel[:4]]
+    return nbm.nbit_matmul_reference(ops.xq, q, group_size=GROUP, g_scale=s, x_scale=ops.xs)
   if kernel[:4] in ("int2", "int4"):
     q, s, _ = ops.packed[kernel[:4]]
     return nbm.nbit_matmul_reference(ops.x, q, group_size=GROUP, g_scale=s)
@@ -234,87 +255,94 @@ def rel_err(out, ref) -> float:
   return float(jnp.linalg.norm(out - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
 
 
-def render_table(rows, bw: float, peak: float) -> str:
-  """Markdown table of (m, k, n, kernel, seconds, note) rows."""
-  lines = ["| M | K | N | kernel | µs | vs bf16 | weight TB/s | of copy bw | TFLOP/s | of bf16 peak | config / note |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+def figures(rows, bw: float, peak: float) -> list[dict]:
+  """Record rows (every figure of each case) from (m, k, n, kernel, seconds, note) rows."""
   bf16_of = {(r[0], r[1], r[2]): r[4] for r in rows if r[3] == "xla bf16"}
+  out = []
   for m, k, n, kernel, t, note in rows:
     tbs = weight_bytes(kernel, n, k) / t / 1e12
     tf = 2 * m * k * n / t / 1e12
-    ratio = f"{bf16_of[(m, k, n)] / t:.2f}x" if (m, k, n) in bf16_of else "-"
-    lines.append(f"| {m} | {k} | {n} | {kernel} | {t * 1e6:.1f} | {ratio} | "
-                 f"{tbs:.2f} | {tbs * 1e12 / bw:.0%} | {tf:.1f} | {tf * 1e12 / peak:.0%} | {note} |")
+    base = bf16_of.get((m, k, n))
+    out.append(dict(m=m, k=k, n=n, kernel=kernel, us=t * 1e6,
+                    vs_xla_bf16=base / t if base else None, weight_tbs=tbs,
+                    of_copy_bw=tbs * 1e12 / bw, tflops=tf, of_bf16_peak=tf * 1e12 / peak,
+                    note=note.strip()))
+  return out
+
+
+def render_table(rows: list[dict]) -> str:
+  """Markdown table of :func:`figures` rows (the run's log; RESULTS.md has its own)."""
+  lines = ["| M | K | N | kernel | µs | vs bf16 | weight TB/s | of copy bw | TFLOP/s | of bf16 peak | config / note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    ratio = f"{r['vs_xla_bf16']:.2f}x" if r["vs_xla_bf16"] else "-"
+    lines.append(f"| {r['m']} | {r['k']} | {r['n']} | {r['kernel']} | {r['us']:.1f} | {ratio} | "
+                 f"{r['weight_tbs']:.2f} | {r['of_copy_bw']:.0%} | {r['tflops']:.1f} | "
+                 f"{r['of_bf16_peak']:.0%} | {r['note']} |")
   return "\n".join(lines)
 
 
-def xla_bf16_times(no_triton: bool) -> dict:
+def xla_bf16_times(ms, shapes, no_triton: bool) -> dict:
   """Times XLA bf16 for every (M, K, N); with no_triton, in a subprocess with the flag set."""
   if not no_triton:
     res = {}
-    for k, n in SHAPES:
-      for m in MS:
+    for k, n in shapes:
+      for m in ms:
         ops_x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
         w_t = jax.random.normal(jax.random.key(1), (k, n), jnp.bfloat16)
         res[f"{m},{k},{n}"] = _timing.time_in_loop(lambda x, w: x @ w, ops_x, w_t)
     return res
   env = dict(os.environ)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false").strip()
-  out = subprocess.run([sys.executable, os.path.abspath(__file__), "--xla-bf16-only"], env=env,
-                       capture_output=True, text=True, check=True)
+  out = subprocess.run([sys.executable, os.path.abspath(__file__), "--xla-bf16-only",
+                        "--ms", ",".join(map(str, ms)),
+                        "--shapes", ",".join(f"{k}x{n}" for k, n in shapes)],
+                       env=env, capture_output=True, text=True, check=True)
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main():
-  p = argparse.ArgumentParser()
-  p.add_argument("--explore", action="store_true")
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--ms", default=",".join(map(str, MS)), help="M values (comma-separated)")
+  p.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES),
+                 help="KxN weight shapes (comma-separated)")
+  p.add_argument("--kernels", default=",".join(KERNELS),
+                 help=f"kernels (comma-separated; XLA bf16 and int8 always run): {', '.join(KERNELS)}")
+  p.add_argument("--check", action="store_true",
+                 help="also the relative error of each kernel (M <= 64) against its f32 reference")
+  p.add_argument("--explore", action="store_true",
+                 help="time several block configs per Triton kernel and keep the best")
   p.add_argument("--explore-ms", default="16", help="M values --explore applies to")
-  p.add_argument("--check", action="store_true")
-  p.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
-  p.add_argument("--budget-s", type=float, default=420)
-  p.add_argument("--json", default=None)
-  p.add_argument("--ms", default=",".join(map(str, MS)))
-  p.add_argument("--kernels", default=",".join(KERNELS))
-  p.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
-  p.add_argument("--xla-bf16-only", action="store_true")
-  p.add_argument("--merge", nargs="+", default=None,
-                 help="render one table from several --json outputs (later files override rows; "
-                      "bandwidth and peak from the last file)")
+  p.add_argument("--budget-s", type=float, default=420,
+                 help="stop starting new kernels after this many seconds")
+  _record.add_arguments(p)
+  p.add_argument("--xla-bf16-only", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args()
+  ms = [int(v) for v in args.ms.split(",")]
+  shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+  kernels = [k for k in args.kernels.split(",") if k and k != "none"]
+  unknown = [k for k in kernels if k not in KERNELS]
+  if unknown:
+    p.error(f"--kernels: unknown {unknown}; valid: {', '.join(KERNELS)}")
   if args.xla_bf16_only:
-    print(json.dumps(xla_bf16_times(False)))
-    return
-  if args.merge:
-    merged, meta = {}, {}
-    for path in args.merge:
-      with open(path) as f:
-        data = json.load(f)
-      meta = data
-      for r in data["rows"]:
-        merged[(r["k"], r["n"], r["m"], r["kernel"])] = r
-    order = {name: i for i, name in enumerate(("xla bf16", "xla int8") + KERNELS)}
-    rows = [(r["m"], r["k"], r["n"], r["kernel"], r["us"] * 1e-6, r["note"])
-            for _, r in sorted(merged.items(), key=lambda kv: (-kv[0][0], kv[0][2], order[kv[0][3]]))]
-    print(render_table(rows, meta["bw"], meta["peak"]))
+    print(json.dumps(xla_bf16_times(ms, shapes, False)))
     return
   t_start = time.time()
-  ms = [int(v) for v in args.ms.split(",")]
-  kernels = [k for k in args.kernels.split(",") if k and k != "none"]
   dev = jax.devices()[0]
   print(f"device: {dev.device_kind}; jax {jax.__version__}", flush=True)
   bw = _timing.copy_bandwidth()
   peak = _timing.bf16_peak()
   print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write); bf16 peak {peak / 1e12:.0f} TFLOP/s",
         flush=True)
-  bf16_default = xla_bf16_times(False)
+  rec = _record.Recorder("kernels", dict(copy_bw=bw, bf16_peak=peak), out_dir=args.out_dir,
+                         results=args.results)
+  bf16_default = xla_bf16_times(ms, shapes, False)
   try:
-    bf16_notriton = xla_bf16_times(True)
+    bf16_notriton = xla_bf16_times(ms, shapes, True)
   except Exception as e:  # noqa: BLE001
     print("no-triton-gemm subprocess failed:", e, flush=True)
     bf16_notriton = {}
-  rows, best_cfgs, results = [], {}, {"bw": bw, "peak": peak, "device": dev.device_kind,
-                                      "jax": jax.__version__, "rows": []}
-  shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+  rows, best_cfgs = [], {}
   for k, n in shapes:
     for m in ms:
       key = f"{m},{k},{n}"
@@ -373,29 +401,15 @@ def main():
         elif kernel != "xla int8":
           note = "default config " + note
         rows.append((m, k, n, kernel, t, note))
-  for m, k, n, kernel, t, note in rows:
-    results["rows"].append(dict(m=m, k=k, n=n, kernel=kernel, us=t * 1e6, note=note))
-  table = render_table(rows, bw, peak)
-  print(table)
+        rec.write(figures(rows, bw, peak))  # a run cut by a timeout keeps what it measured
+  table = figures(rows, bw, peak)
+  print(render_table(table))
   if best_cfgs:
     print("\nBEST CONFIGS:")
     for key, cfg in best_cfgs.items():
       print(f"  {key}: BlockConfig(block_m={cfg.block_m}, block_n={cfg.block_n}, "
             f"split_k={cfg.split_k}, num_warps={cfg.num_warps}, num_stages={cfg.num_stages}),")
-  header = (f"\n## Kernels — {datetime.date.today()} — {dev.device_kind} — jax {jax.__version__}\n\n"
-            f"Command: `PYTHONPATH=. python {' '.join(sys.argv)}`\n\n"
-            f"Measured copy bandwidth {bw / 1e12:.2f} TB/s (XLA elementwise, read+write); "
-            f"measured XLA bf16 peak {peak / 1e12:.0f} TFLOP/s (8192^3). "
-            "Loop-amortized medians (benchmarks/_timing.py). Weight TB/s counts packed weights "
-            "+ scales only.\n\n")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
-    with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
-      f.write(header + table + "\n")
-  if args.append:
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"), "a") as f:
-      f.write(header + table + "\n")
+  rec.finish(table)
 
 
 if __name__ == "__main__":

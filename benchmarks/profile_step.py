@@ -3,10 +3,11 @@
 Builds the same MLP step as :mod:`benchmarks.train_step` for each config, runs
 it once (compile), then records ``--steps`` steps with ``jax.profiler.trace``
 and sums the GPU kernel time per kernel name (XLA fusion / GEMM / Pallas
-kernel). Prints the top kernels per config and, with ``--json``, writes them.
+kernel). Prints the top kernels per config and writes them all to the run's JSON
+record (benchmarks/_record.py; no RESULTS.md table: group the kernels by kind by hand).
 
-  PYTHONPATH=. python benchmarks/profile_step.py --width 4096 --tokens 8192 \
-      --configs bf16,qtrain_int8 --json /tmp/profile.json
+  python3 benchmarks/profile_step.py --widths 4096 --tokens 8192 \
+      --configs bf16,qtrain_int8_lowbit --out-dir $OUT [--hlo-dir $OUT/hlo]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import train_step  # noqa: E402
+from benchmarks import _record  # noqa: E402
 
 
 def _kernel_totals(trace_dir: str) -> dict:
@@ -62,7 +64,7 @@ def profile_config(name: str, width: int, tokens: int, steps: int, hlo_dir: str 
   if hlo_dir:
     os.makedirs(hlo_dir, exist_ok=True)
     text = step.lower(params, s, jax.random.key(1), x, target).compile().as_text()
-    with gzip.open(os.path.join(hlo_dir, f"{name}.hlo.txt.gz"), "wt") as f:
+    with gzip.open(os.path.join(hlo_dir, f"{name}-D{width}.hlo.txt.gz"), "wt") as f:
       f.write(text)
   out = step(params, s, jax.random.key(1), x, target)
   jax.block_until_ready(out)
@@ -80,30 +82,41 @@ def profile_config(name: str, width: int, tokens: int, steps: int, hlo_dir: str 
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--width", type=int, default=4096)
-  ap.add_argument("--tokens", type=int, default=8192)
-  ap.add_argument("--steps", type=int, default=3)
-  ap.add_argument("--configs", default="bf16,qtrain_int8")
-  ap.add_argument("--top", type=int, default=40)
-  ap.add_argument("--json", default="")
-  ap.add_argument("--hlo", default="", help="write each config's optimized HLO (gzipped) here")
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--widths", default="4096", help="model widths D (comma-separated; F = 4 D)")
+  ap.add_argument("--tokens", type=int, default=8192, help="tokens T per step")
+  ap.add_argument("--steps", type=int, default=3, help="profiled steps")
+  ap.add_argument("--configs", default="bf16,qtrain_int8_lowbit",
+                  help=f"comma-separated, as benchmarks/train_step.py: {', '.join(train_step.CONFIGS)}")
+  ap.add_argument("--top", type=int, default=40, help="kernels printed per config")
+  ap.add_argument("--hlo-dir", default="", help="write each config's optimized HLO (gzipped) here")
+  _record.add_arguments(ap, results=False)
   args = ap.parse_args()
+  names = [c for c in args.configs.split(",") if c]
+  unknown = [c for c in names if c not in train_step.CONFIGS]
+  if unknown:
+    ap.error(f"--configs: unknown {unknown}; valid: {', '.join(train_step.CONFIGS)}")
+  widths = [int(v) for v in args.widths.split(",")]
+  rec = _record.Recorder("profile_step", dict(tokens=args.tokens, steps=args.steps,
+                                              widths=widths), out_dir=args.out_dir)
   results = []
-  for name in args.configs.split(","):
-    try:
-      r = profile_config(name, args.width, args.tokens, args.steps, args.hlo)
-    except Exception as e:  # keep going: one config failing must not hide the others
-      print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-      continue
-    results.append(r)
-    for line, v in r["lines"].items():
-      print(f"\n== {name} [{line}]: {v['us_per_step'] / 1e3:.3f} ms per step", flush=True)
-      for k, us in list(v["kernels"].items())[: args.top]:
-        print(f"  {us / 1e3:8.3f} ms  {k[:110]}")
-    if args.json:
-      with open(args.json, "w") as f:
-        json.dump(results, f, indent=1)
+  for width in widths:
+    for name in names:
+      try:
+        r = profile_config(name, width, args.tokens, args.steps, args.hlo_dir)
+      except Exception as e:  # keep going: one config failing must not hide the others
+        print(f"{name} D={width}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        results.append(dict(config=name, width=width, tokens=args.tokens,
+                            error=f"{type(e).__name__}: {str(e)[:200]}"))
+        continue
+      results.append(r)
+      for line, v in r["lines"].items():
+        print(f"\n== {name} D={width} [{line}]: {v['us_per_step'] / 1e3:.3f} ms per step",
+              flush=True)
+        for k, us in list(v["kernels"].items())[: args.top]:
+          print(f"  {us / 1e3:8.3f} ms  {k[:110]}")
+      rec.write(results)
+  rec.finish(results)
 
 
 if __name__ == "__main__":

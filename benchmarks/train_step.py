@@ -5,11 +5,17 @@ and activations) at T tokens; one step = value_and_grad + optax SGD update. Step
 run inside ONE jit (a ``lax.fori_loop`` carrying the params, so nothing can be
 hoisted) and the time is divided by the step count; median of ``--repeats``.
 
-Run on the GPU machine (qwix travels as a wheel in .whl/):
+Run on the GPU machine (qwix travels as a wheel in .whl/; benchmarks/gpu.sh installs it):
 
-  PYTHONPATH=. python benchmarks/train_step.py --widths 1024,4096 --tokens 8192
+  python3 benchmarks/train_step.py --widths 4096 --tokens 8192 --out-dir $OUT
 
-Prints a markdown table and appends it to benchmarks/RESULTS.md (with --append).
+Prints a markdown table, writes the run's JSON record (after every config, so a
+run cut by a timeout keeps what it measured) and, on a GPU, rebuilds the
+training-step table of benchmarks/RESULTS.md (benchmarks/_record.py).
+
+On a CPU it runs too (slowly; the figures are not GPU figures and never enter
+RESULTS.md): ``python3 benchmarks/train_step.py --widths 64 --tokens 256 --steps 2
+--repeats 1 --configs bf16,qtrain_int8_lowbit``.
 """
 
 from __future__ import annotations
@@ -17,8 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -33,6 +37,27 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import qtrain  # noqa: E402
+from benchmarks import _record  # noqa: E402
+
+# What each config quantizes (every Dense of the MLP, module_path ".*"):
+CONFIGS = {
+    "bf16": "no quantization",
+    "qtrain_int8_lowbit": "w8a8, int8 gradients, low_bit_uniform SR ('auto': the Mosaic GEMM on Hopper)",
+    "qtrain_int8_cublas": "qtrain_int8_lowbit with the Mosaic GEMM off (XLA's cuBLAS int8 GEMM)",
+    "qtrain_int8": "w8a8, int8 gradients, uniform SR",
+    "qtrain_int8_kernel": "qtrain_int8_lowbit forced onto the Pallas-Triton int8 kernel",
+    "qtrain_int8_fwd": "w8a8 forward, float backward",
+    "qtrain_fp8_nosr": "e4m3 forward, e5m2 gradients, round to nearest",
+    "qtrain_fp8_nosr_xla": "qtrain_fp8_nosr with implementation='xla' (layouts left to XLA)",
+    "qtrain_fp8_lowbit": "e4m3 forward, e5m2 gradients, low_bit_uniform SR",
+    "qtrain_fp8": "e4m3 forward, e5m2 gradients, uniform SR",
+    "qtrain_binary": "binary weights and activations (absmean scales), float backward",
+    "qwix_int8": "qwix: w8a8, int8 gradients, uniform SR",
+    "qwix_int8_fwd": "qwix: w8a8 forward, float backward",
+    "qwix_fp8": "qwix: e4m3 forward, e5m2 gradients (qwix has no SR for fp8)",
+}
+DEFAULT_CONFIGS = ("bf16", "qtrain_int8_lowbit", "qtrain_int8_cublas", "qwix_int8", "qtrain_binary",
+                   "qtrain_fp8_nosr", "qtrain_fp8_lowbit", "qwix_fp8")
 
 
 class Block(nn.Module):
@@ -192,54 +217,53 @@ def _time_config(name, width, hidden, tokens, steps, repeats):
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--widths", default="1024,4096")
-  ap.add_argument("--tokens", type=int, default=8192)
-  ap.add_argument("--steps", type=int, default=10)
-  ap.add_argument("--repeats", type=int, default=3)
-  ap.add_argument("--configs", default="bf16,qtrain_int8,qtrain_int8_fwd,qtrain_fp8,qtrain_binary,qwix_int8,qwix_fp8")
-  ap.add_argument("--append", default="", help="append the table to this RESULTS.md")
-  ap.add_argument("--json", default="")
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--widths", default="1024,4096", help="model widths D (comma-separated; F = 4 D)")
+  ap.add_argument("--tokens", type=int, default=8192, help="tokens T per step")
+  ap.add_argument("--steps", type=int, default=10, help="steps inside one jit")
+  ap.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
+  ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                  help="comma-separated; " + "; ".join(f"{k}: {v}" for k, v in CONFIGS.items()))
+  _record.add_arguments(ap)
   args = ap.parse_args()
+  names = [c for c in args.configs.split(",") if c]
+  unknown = [c for c in names if c not in CONFIGS]
+  if unknown:
+    ap.error(f"--configs: unknown {unknown}; valid: {', '.join(CONFIGS)}")
+  widths = [int(v) for v in args.widths.split(",")]
+  rec = _record.Recorder("train_step", dict(tokens=args.tokens, steps=args.steps,
+                                            repeats=args.repeats, widths=widths),
+                         out_dir=args.out_dir, results=args.results)
   rows = []
-  for w in [int(v) for v in args.widths.split(",")]:
+  for w in widths:
     base = None
-    for name in args.configs.split(","):
+    for name in names:
+      row = dict(config=name, D=w, F=4 * w, T=args.tokens)
       try:
         ms, loss = time_config(name, w, 4 * w, args.tokens, args.steps, args.repeats)
       except Exception as e:  # report, keep going: one config failing must not hide the others
         print(f"{name} D={w}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        rows.append(dict(config=name, D=w, F=4 * w, ms=None, speedup=None, loss=None,
+        rows.append(dict(row, ms=None, vs_bf16=None, loss=None,
                          error=f"{type(e).__name__}: {str(e)[:200]}"))
+        rec.write(rows)
         continue
       if name == "bf16":
         base = ms
       sp = base / ms if base else None
-      rows.append(dict(config=name, D=w, F=4 * w, ms=ms, speedup=sp, loss=loss))
+      rows.append(dict(row, ms=ms, vs_bf16=sp, loss=loss))
       print(f"{name:18s} D={w:5d} {ms:9.3f} ms/step  {sp if sp else float('nan'):5.2f}x  loss {loss:.4f}",
             flush=True)
-      if args.json:  # after every config: a timeout keeps what was measured
-        with open(args.json, "w") as f:
-          json.dump(rows, f, indent=1)
-  dev = jax.devices()[0].device_kind
-  lines = [f"\n### Training step, {datetime.date.today()}, {dev}, jax {jax.__version__}",
-           f"`{' '.join(['python'] + sys.argv)}` (T={args.tokens}, {args.steps} steps in one jit, "
-           f"median of {args.repeats})\n",
-           "| config | D | F | ms/step | vs bf16 | final loss |", "|---|---|---|---|---|---|"]
+      rec.write(rows)  # after every config: a timeout keeps what was measured
+  print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}: T={args.tokens}, "
+        f"{args.steps} steps in one jit, median of {args.repeats}\n")
+  print("| config | D | F | ms/step | vs bf16 | final loss |\n|---|---|---|---|---|---|")
   for r in rows:
     if r["ms"] is None:
-      lines.append(f"| {r['config']} | {r['D']} | {r['F']} | failed: {r['error']} | | |")
+      print(f"| {r['config']} | {r['D']} | {r['F']} | failed: {r['error']} | | |")
     else:
-      sp = f"{r['speedup']:.2f}x" if r["speedup"] else "n/a"
-      lines.append(f"| {r['config']} | {r['D']} | {r['F']} | {r['ms']:.3f} | {sp} | {r['loss']:.4f} |")
-  table = "\n".join(lines)
-  print(table)
-  if args.append:
-    with open(args.append, "a") as f:
-      f.write(table + "\n")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(rows, f, indent=1)
+      sp = f"{r['vs_bf16']:.2f}x" if r["vs_bf16"] else "n/a"
+      print(f"| {r['config']} | {r['D']} | {r['F']} | {r['ms']:.3f} | {sp} | {r['loss']:.4f} |")
+  rec.finish(rows)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The maintained GPU work, in named parts that each fit one device call (under 10 minutes).
+# Logs and JSON records go to $OUT (default /tmp/qtrain_out); add the records to the
+# repository afterwards with `python3 benchmarks/_record.py add <records>` (benchmarks/README.md).
+#
+#   OUT=/tmp/out bash benchmarks/gpu.sh PART [PART ...]
+#
+#   tests           the GPU test suite (pytest -m gpu)
+#   kernels-mosaic  kernel table, M = 1, 16, 64: the Mosaic small-M kernels
+#   kernels-triton  kernel table, M = 1, 16, 64: the Pallas-Triton kernels
+#   kernels-large   kernel table, M = 512, 4096: the Mosaic int8 GEMM, Triton int8 / binary
+#   step4096        training-step table, D = 4096 (benchmarks/train_step.py's default configs)
+#   step1024        training-step table, D = 1024
+#   profile         per-kernel GPU time of the int8 and bf16 training steps, D = 4096
+#
+# Where the work tree has no .git, set QTRAIN_GIT_COMMIT to the commit it holds so the
+# records name it. qwix (for the qwix_* step configs) is installed from a wheel in .whl/.
+set -u
+OUT=${OUT:-/tmp/qtrain_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=.:/tmp/site
+[ $# -gt 0 ] || { sed -n '2,17p' "$0"; exit 2; }
+
+kernels() {  # kernels NAME TIMEOUT ARGS...: one kernel-table run, its log in $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 benchmarks/kernels.py --check --out-dir "$OUT" "$@" 2>&1 \
+    | grep -v Warn | tee "$OUT/$name.log" | grep "^|\|FAIL\|record:"
+}
+
+for part in "$@"; do
+  echo "== $part"
+  case "$part" in
+    tests)
+      timeout 330 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider tests 2>&1 | grep -v Warn \
+        | tail -25 | tee "$OUT/gpu_tests.log" ;;
+    kernels-mosaic)
+      kernels kernels_mosaic 570 --ms 16,1,64 --shapes 8192x28672,4096x4096 --budget-s 500 \
+        --kernels "mosaic W1A8 tiled,mosaic W2A8 tiled,mosaic W4A8 tiled,mosaic W8A8 tiled,mosaic W1A16,mosaic W4A16 tiled,mosaic W8A16 tiled" ;;
+    kernels-triton)
+      kernels kernels_triton 570 --ms 16,1,64 --shapes 8192x28672,4096x4096 --budget-s 500 \
+        --kernels "binary W1A8,binary W1A16,binary W1A1,int2 W2A8 g128,int4 W4A8 g128,int2 W2A16 g128,int4 W4A16 g128,int8 W8A16,int8 x int8" ;;
+    kernels-large)
+      kernels kernels_large 570 --ms 512,4096 --shapes 8192x28672,4096x4096 --budget-s 480 \
+        --kernels "mosaic gemm W8A8,mosaic gemm W1A8,int8 x int8,binary W1A8" ;;
+    step4096|step1024)
+      timeout 570 python3 benchmarks/train_step.py --widths "${part#step}" --tokens 8192 --steps 10 \
+        --repeats 3 --out-dir "$OUT" 2>&1 | grep -v Warning | tee "$OUT/$part.log" | tail -16 ;;
+    profile)
+      timeout 400 python3 benchmarks/profile_step.py --widths 4096 --tokens 8192 \
+        --configs qtrain_int8_lowbit,bf16 --top 25 --out-dir "$OUT" 2>&1 | grep -v Warn \
+        | tee "$OUT/profile.log" | tail -60 ;;
+    *)
+      echo "unknown part '$part'; valid: tests kernels-mosaic kernels-triton kernels-large step4096 step1024 profile"
+      exit 2 ;;
+  esac
+done
