@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Literal, Mapping
 
 import jax
@@ -40,6 +41,35 @@ from qtrain.core import rounding
 
 CalibrationMethod = Literal["absmax", "absmean", "rms", "minmax", "fixed", "percentile"]
 CALIBRATION_METHODS: tuple[str, ...] = ("absmax", "absmean", "rms", "minmax", "fixed", "percentile")
+
+
+def _is_real(v) -> bool:
+  """An int or float (Python or numpy), not a bool and not a string."""
+  return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
+_F32 = np.finfo(np.float32)
+# Calibration numbers become float32 scales: outside float32's normal range
+# they would flush to 0 or overflow to inf.
+_POSITIVE = f"a finite real number in [{float(_F32.tiny):.4g}, {float(_F32.max):.4g}] (float32's normal range)"
+
+
+def _positive_float(field: str, v) -> float:
+  if not _is_real(v) or not float(_F32.tiny) <= v <= float(_F32.max):  # NaN fails it
+    raise ValueError(f"{field}={v!r} is not valid; valid: {_POSITIVE}")
+  return float(v)
+
+
+def _is_axis(a) -> bool:
+  return isinstance(a, (int, np.integer)) and not isinstance(a, (bool, np.bool_))
+
+
+def _int_tuple(v) -> tuple[int, ...] | None:
+  """``v`` as a tuple of ints, or None if it is not a sequence of int axes."""
+  if isinstance(v, (str, bytes, Mapping)) or not hasattr(v, "__iter__"):
+    return None
+  v = tuple(v)
+  return tuple(int(a) for a in v) if all(_is_axis(a) for a in v) else None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,23 +96,25 @@ class Calibration:
   percentile: float | None = None
 
   def __post_init__(self):
-    if self.method not in CALIBRATION_METHODS:
+    if not isinstance(self.method, str) or self.method not in CALIBRATION_METHODS:
       raise ValueError(
           f"Unknown calibration method={self.method!r}; valid: {list(CALIBRATION_METHODS)}")
-    if not (np.isfinite(self.multiplier) and self.multiplier > 0):
-      raise ValueError(f"multiplier={self.multiplier} must be a finite number > 0")
+    object.__setattr__(self, "multiplier", _positive_float("multiplier", self.multiplier))
     if self.method == "fixed":
-      if self.bound is None or not (np.isfinite(self.bound) and self.bound > 0):
-        raise ValueError(f"method='fixed' needs bound > 0 (finite), got bound={self.bound}")
+      if self.bound is None:
+        raise ValueError("method='fixed' needs bound=..., got bound=None; valid: " + _POSITIVE)
+      object.__setattr__(self, "bound", _positive_float("bound", self.bound))
     elif self.bound is not None:
-      raise ValueError(f"bound={self.bound} is only used with method='fixed', not {self.method!r}")
+      raise ValueError(f"bound={self.bound!r} is only used with method='fixed', not {self.method!r}")
     if self.method == "percentile":
-      if self.percentile is None or not 0 < self.percentile <= 100:
-        raise ValueError(
-            f"method='percentile' needs percentile in (0, 100], got percentile={self.percentile}")
+      p = self.percentile
+      if not _is_real(p) or not 0 < p <= 100:  # NaN fails the comparison
+        raise ValueError(f"method='percentile' needs percentile=..., got percentile={p!r}; "
+                         "valid: a real number in (0, 100]")
+      object.__setattr__(self, "percentile", float(p))
     elif self.percentile is not None:
       raise ValueError(
-          f"percentile={self.percentile} is only used with method='percentile', not {self.method!r}")
+          f"percentile={self.percentile!r} is only used with method='percentile', not {self.method!r}")
 
   @property
   def is_static(self) -> bool:
@@ -126,14 +158,28 @@ class QuantizeSpec:
     qt = qtypes.get_qtype(self.qtype)
     object.__setattr__(self, "qtype", qt)
     object.__setattr__(self, "calibration", as_calibration(self.calibration))
-    object.__setattr__(self, "channelwise_axes", tuple(self.channelwise_axes))
-    object.__setattr__(self, "tiled_axes", dict(self.tiled_axes))
+    cw = _int_tuple(self.channelwise_axes)
+    if cw is None:
+      raise ValueError(f"channelwise_axes={self.channelwise_axes!r} is not valid; valid: a tuple "
+                       "of int axes, e.g. (0,) or (0, -1)")
+    dup = sorted({a for a in cw if cw.count(a) > 1})
+    if dup:
+      raise ValueError(f"channelwise_axes={cw} names axis {dup[0]} more than once")
+    object.__setattr__(self, "channelwise_axes", cw)
+    tiles = self.tiled_axes
+    if not isinstance(tiles, Mapping):
+      raise ValueError(f"tiled_axes={tiles!r} is not valid; valid: a dict {{axis: tile_size}}, "
+                       "e.g. {-1: 128}")
+    for ax, t in tiles.items():
+      if not _is_axis(ax):
+        raise ValueError(f"tiled_axes={dict(tiles)!r}: axis {ax!r} is not an int axis")
+      if not _is_axis(t) or t <= 0:
+        raise ValueError(f"tiled_axes={dict(tiles)!r}: tile size {t!r} for axis {ax} is not "
+                         "valid; valid: a positive int")
+    object.__setattr__(self, "tiled_axes", {int(a): int(t) for a, t in tiles.items()})
     both = set(self.channelwise_axes) & set(self.tiled_axes)
     if both:
       raise ValueError(f"axes {sorted(both)} are both channelwise_axes and tiled_axes")
-    for ax, t in self.tiled_axes.items():
-      if not isinstance(t, (int, np.integer)) or t <= 0:
-        raise ValueError(f"tile size {t!r} for axis {ax} must be a positive int")
     if self.stochastic_rounding not in (None,) + rounding.STOCHASTIC_METHODS:
       raise ValueError(
           f"stochastic_rounding={self.stochastic_rounding!r}; valid: "
@@ -183,9 +229,15 @@ class QArray:
 
 def _normalize_axes(spec: QuantizeSpec, shape: tuple[int, ...]):
   nd = len(shape)
-  for ax in (*spec.channelwise_axes, *spec.tiled_axes):
-    if not -nd <= ax < nd:
-      raise ValueError(f"axis {ax} is out of range for an array of shape {shape}")
+  for what in ("channelwise_axes", "tiled_axes"):
+    seen: dict[int, int] = {}  # normalized axis -> the entry that named it
+    for ax in getattr(spec, what):
+      if not -nd <= ax < nd:
+        raise ValueError(f"axis {ax} is out of range for an array of shape {shape}")
+      if ax % nd in seen:  # e.g. tiled_axes={1: 4, -1: 8} on a 2-d array
+        raise ValueError(f"{what}={getattr(spec, what)!r} names axis {ax % nd} of shape {shape} "
+                         f"twice: as {seen[ax % nd]} and as {ax}")
+      seen[ax % nd] = ax
   cw = tuple(sorted(a % nd for a in spec.channelwise_axes))
   tiles = {a % nd: t for a, t in spec.tiled_axes.items()}
   both = set(cw) & set(tiles)
