@@ -506,3 +506,12 @@ def test_two_entries_naming_one_axis_raise_naming_both(cw, tiles, match):
   with pytest.raises(ValueError, match=match):
     qarray.quantize(jnp.ones((4, 32)), spec)
 
+
+@pytest.mark.parametrize("qtype,method", CAL_CASES)
+def test_empty_groups_quantize_like_all_zero_groups(qtype, method):
+  # A contraction of size 0 (e.g. K = 0): groups of no values. Reductions take
+  # 0 as their identity, so the groups count as all zero.
+  for shape, cw in (((4, 0), (0,)), ((0, 8), (0,)), ((0, 8), ())):
+    q = qarray.quantize(jnp.zeros(shape), _spec(qtype, cw, {}, _cal(method)))
+    assert q.qvalue.shape == shape and np.all(np.isfinite(np.asarray(q.scale)))
+    assert qarray.dequantize(q).shape == shape
