@@ -507,6 +507,34 @@ def test_two_entries_naming_one_axis_raise_naming_both(cw, tiles, match):
     qarray.quantize(jnp.ones((4, 32)), spec)
 
 
+# ----------------------------------------------------------------------------
+# Zeros: what the README promises, exactly.
+
+
+@pytest.mark.parametrize("qtype", ALL_QTYPES)
+def test_binary_fixed_maps_zero_to_plus_bound_every_other_case_keeps_zeros(qtype):
+  x = _rand((4, 64), 31)
+  x[1] = 0.0  # an all-zero group
+  x[2, ::3] = 0.0  # zeros among non-zeros
+  fixed = qarray.Calibration(method="fixed", bound=2.0)
+  deq = np.asarray(qarray.dequantize(qarray.quantize(jnp.asarray(x), _spec(qtype, (0,), {}, fixed))))
+  if qtype == "binary":
+    # No zero code (sign(0) = +1 is what lets binary pack into one bit): a
+    # data-independent bound maps 0 to +bound.
+    np.testing.assert_array_equal(deq[x == 0], 2.0)
+  else:
+    np.testing.assert_array_equal(deq[x == 0], 0.0)
+  # Every data-dependent calibration gives an all-zero group back as zeros,
+  # binary included (scale 0).
+  for method in [m for m in qarray.CALIBRATION_METHODS if m != "fixed"]:
+    if method == "minmax" and qtypes.get_qtype(qtype).kind != "int":
+      continue
+    q = qarray.quantize(jnp.asarray(x), _spec(qtype, (0,), {}, _cal(method)))
+    np.testing.assert_array_equal(np.asarray(qarray.dequantize(q))[1], 0.0)
+    if qtype == "binary":
+      assert float(q.scale[1, 0]) == 0.0
+
+
 @pytest.mark.parametrize("qtype,method", CAL_CASES)
 def test_empty_groups_quantize_like_all_zero_groups(qtype, method):
   # A contraction of size 0 (e.g. K = 0): groups of no values. Reductions take
