@@ -159,3 +159,29 @@ def test_pack_rejects_out_of_range_values(qtype, bad):
   values = np.array([[0, 1, bad, -1]], np.int8)
   with pytest.raises(ValueError, match=r"do not fit"):
     packing.pack(values, qtype)
+
+
+@pytest.mark.parametrize("axis", [2, -3, 7, 1.0, True])
+def test_out_of_range_or_non_int_axis_raises_naming_axis_ndim_and_range(axis):
+  # An out-of-range axis used to wrap (axis % ndim) and pack a different axis.
+  v = jnp.ones((2, 8), jnp.int8)
+  msg = rf"axis={axis!r}.*ndim=2.*\[-2, 1\]"
+  with pytest.raises(ValueError, match=msg):
+    packing.pack(v, "int4", axis=axis)
+  with pytest.raises(ValueError, match=msg):
+    packing.unpack(packing.pack(v, "int4"), "int4", size=8, axis=axis)
+
+
+def test_negative_axes_name_the_same_axis_as_positive_ones():
+  v = np.random.default_rng(1).integers(-8, 8, (3, 5, 9)).astype(np.int8)
+  w = _pack(v, qtype="int4", axis=-3)
+  assert w.shape == (1, 5, 9)
+  np.testing.assert_array_equal(w, _pack(v, qtype="int4", axis=0))
+  np.testing.assert_array_equal(_unpack(w, qtype="int4", size=3, axis=-3), v)
+
+
+def test_zero_d_input_raises_instead_of_dividing_by_zero():
+  with pytest.raises(ValueError, match="at least one axis.*0-d"):
+    packing.pack(jnp.ones((), jnp.int8), "int4")
+  with pytest.raises(ValueError, match="at least one axis.*0-d"):
+    packing.unpack(jnp.ones((), jnp.uint32), "int4", size=1)

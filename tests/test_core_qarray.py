@@ -432,3 +432,114 @@ def test_property_binary_absmean_idempotent(data):
   np.testing.assert_array_equal(np.asarray(q2.qvalue), np.asarray(q.qvalue))
   # Same scale up to the float32 summation of <= 80 equal terms.
   np.testing.assert_allclose(np.asarray(q2.scale), np.asarray(q.scale), rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# Field validation: every bad field raises ValueError naming the field, the
+# value and what would be valid (strings, bools and NaN used to reach numpy
+# ufuncs and fail with a TypeError naming nothing).
+
+
+@pytest.mark.parametrize("kwargs,field,valid", [
+    (dict(multiplier="2"), "multiplier='2'", "finite real number"),
+    (dict(multiplier=True), "multiplier=True", "finite real number"),
+    (dict(multiplier=float("nan")), "multiplier=nan", "finite real number"),
+    (dict(multiplier=-1), "multiplier=-1", "finite real number"),
+    (dict(multiplier=1e-300), "multiplier=1e-300", "float32's normal range"),
+    (dict(multiplier=1e39), "multiplier=1e\\+39", "float32's normal range"),
+    (dict(method="fixed", bound="1"), "bound='1'", "finite real number"),
+    (dict(method="fixed", bound=np.bool_(True)), "bound=(np.)?(True|bool_\\(True\\))", "finite real"),
+    (dict(method="fixed", bound=float("nan")), "bound=nan", "finite real number"),
+    (dict(method="fixed", bound=0), "bound=0", "finite real number"),
+    (dict(method="percentile", percentile="50"), "percentile='50'", r"\(0, 100\]"),
+    (dict(method="percentile", percentile=True), "percentile=True", r"\(0, 100\]"),
+    (dict(method="percentile", percentile=float("nan")), "percentile=nan", r"\(0, 100\]"),
+    (dict(method="percentile", percentile=100.5), "percentile=100.5", r"\(0, 100\]"),
+    (dict(method=3), "method=3", "absmax"),
+])
+def test_bad_calibration_field_names_field_value_and_valid_range(kwargs, field, valid):
+  with pytest.raises(ValueError, match=f"{field}.*{valid}"):
+    qarray.Calibration(**kwargs)
+
+
+def test_calibration_takes_ints_and_numpy_reals_as_floats():
+  c = qarray.Calibration(method="percentile", percentile=np.int64(50), multiplier=2)
+  assert (c.percentile, c.multiplier) == (50.0, 2.0)
+  assert type(c.percentile) is float and type(c.multiplier) is float
+  assert qarray.Calibration(method="fixed", bound=np.float32(0.5)).bound == 0.5
+  assert qarray.Calibration(multiplier=2) == qarray.Calibration(multiplier=2.0)
+
+
+@pytest.mark.parametrize("bad", [3, None, ["absmax"]])
+def test_as_calibration_rejects_non_calibrations(bad):
+  with pytest.raises(ValueError, match=r"calibration=.*must be a Calibration or one of"):
+    qarray.as_calibration(bad)
+  with pytest.raises(ValueError, match="calibration="):
+    _spec("int8", (), {}, bad)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(channelwise_axes=0), r"channelwise_axes=0 is not valid; valid: a tuple of int axes"),
+    (dict(channelwise_axes=(0.0,)), r"channelwise_axes=\(0.0,\) is not valid"),
+    (dict(channelwise_axes=(True,)), r"channelwise_axes=\(True,\) is not valid"),
+    (dict(channelwise_axes="0"), r"channelwise_axes='0' is not valid"),
+    (dict(channelwise_axes=(1, 0, 1)), r"channelwise_axes=\(1, 0, 1\) names axis 1 more than once"),
+    (dict(tiled_axes=[(1, 4)]), r"tiled_axes=\[\(1, 4\)\] is not valid; valid: a dict"),
+    (dict(tiled_axes={1.0: 4}), r"axis 1.0 is not an int axis"),
+    (dict(tiled_axes={1: True}), r"tile size True for axis 1 is not valid; valid: a positive int"),
+    (dict(tiled_axes={1: 4.0}), r"tile size 4.0 for axis 1"),
+    (dict(stochastic_rounding="sometimes"), r"stochastic_rounding='sometimes'; valid"),
+])
+def test_bad_quantize_spec_fields_raise_at_construction(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    qarray.QuantizeSpec(qtype="int8", **kwargs)
+
+
+@pytest.mark.parametrize("cw,tiles,match", [
+    ((), {1: 4, -1: 8}, r"tiled_axes=\{1: 4, -1: 8\} names axis 1 of shape \(4, 32\) twice: as 1 and as -1"),
+    ((0, -2), {}, r"channelwise_axes=\(0, -2\) names axis 0 of shape \(4, 32\) twice: as 0 and as -2"),
+    ((1,), {-1: 8}, r"axes \[1\] of shape \(4, 32\) are both channelwise_axes and tiled_axes"),
+])
+def test_two_entries_naming_one_axis_raise_naming_both(cw, tiles, match):
+  # tiled_axes={1: 4, -1: 8} used to keep one of the two tile sizes silently.
+  spec = _spec("int8", cw, tiles)
+  with pytest.raises(ValueError, match=match):
+    qarray.quantize(jnp.ones((4, 32)), spec)
+
+
+# ----------------------------------------------------------------------------
+# Zeros: what the README promises, exactly.
+
+
+@pytest.mark.parametrize("qtype", ALL_QTYPES)
+def test_binary_fixed_maps_zero_to_plus_bound_every_other_case_keeps_zeros(qtype):
+  x = _rand((4, 64), 31)
+  x[1] = 0.0  # an all-zero group
+  x[2, ::3] = 0.0  # zeros among non-zeros
+  fixed = qarray.Calibration(method="fixed", bound=2.0)
+  deq = np.asarray(qarray.dequantize(qarray.quantize(jnp.asarray(x), _spec(qtype, (0,), {}, fixed))))
+  if qtype == "binary":
+    # No zero code (sign(0) = +1 is what lets binary pack into one bit): a
+    # data-independent bound maps 0 to +bound.
+    np.testing.assert_array_equal(deq[x == 0], 2.0)
+  else:
+    np.testing.assert_array_equal(deq[x == 0], 0.0)
+  # Every data-dependent calibration gives an all-zero group back as zeros,
+  # binary included (scale 0).
+  for method in [m for m in qarray.CALIBRATION_METHODS if m != "fixed"]:
+    if method == "minmax" and qtypes.get_qtype(qtype).kind != "int":
+      continue
+    q = qarray.quantize(jnp.asarray(x), _spec(qtype, (0,), {}, _cal(method)))
+    np.testing.assert_array_equal(np.asarray(qarray.dequantize(q))[1], 0.0)
+    if qtype == "binary":
+      assert float(q.scale[1, 0]) == 0.0
+
+
+@pytest.mark.parametrize("qtype,method", CAL_CASES)
+def test_empty_groups_quantize_like_all_zero_groups(qtype, method):
+  # A contraction of size 0 (e.g. K = 0): groups of no values. Reductions take
+  # 0 as their identity, so the groups count as all zero.
+  for shape, cw in (((4, 0), (0,)), ((0, 8), (0,)), ((0, 8), ())):
+    q = qarray.quantize(jnp.zeros(shape), _spec(qtype, cw, {}, _cal(method)))
+    assert q.qvalue.shape == shape and np.all(np.isfinite(np.asarray(q.scale)))
+    assert qarray.dequantize(q).shape == shape

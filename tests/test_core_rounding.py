@@ -263,3 +263,21 @@ def test_low_bit_uniform_every_lane_of_a_word_is_unbiased(shape):
     v = s.reshape(n, -1, shape[-1])[..., :4].reshape(-1, 4) - 2.3
     c = np.corrcoef(v.T)[np.triu_indices(4, 1)]
     assert np.all(np.abs(c) <= Z_MAX / np.sqrt(v.shape[0])), c
+
+
+@pytest.mark.parametrize("qtype", ["int8", "int2", "binary", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("method", METHODS)
+def test_sr_saturates_at_float32_extremes(qtype, method):
+  # x / scale reaches +-inf for a small fixed or learned scale and a huge x
+  # (qarray documents that such values saturate); float32's max sits one
+  # carry below inf in the fp8 bit-pattern rounding.
+  qt = qtypes.get_qtype(qtype)
+  f32max = float(np.finfo(np.float32).max)
+  y = jnp.array([np.inf, -np.inf, f32max, -f32max, float(qt.qmax) * (1 + 2.0 ** -22),
+                 -float(qt.qmax) * (1 + 2.0 ** -22)], jnp.float32)
+  s = np.asarray(rounding.stochastic_round(y, qt, jax.random.key(4), method=method), np.float64)
+  n = np.asarray(rounding.round_nearest(y, qt), np.float64)
+  for out in (s, n):
+    assert np.all(out[[0, 2, 4]] == qt.qmax), out
+    assert np.all(out[[1, 3]] == qt.qmin), out
+    assert out[5] in (-qt.qmax, qt.qmin), out  # just below -qmax: -qmax or (SR) qmin

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qtrain.core import qtypes
 
@@ -51,6 +52,18 @@ def packed_size(size: int, bits: int) -> int:
   """Number of words a row of ``size`` values takes."""
   vpw = values_per_word(bits)
   return -(-size // vpw)
+
+
+def _check_axis(axis, ndim: int, what: str) -> int:
+  """``axis`` normalized to ``[0, ndim)``; a clear error for 0-d arrays and bad axes."""
+  if ndim == 0:
+    raise ValueError(f"{what} needs an array with at least one axis to pack along, got a 0-d "
+                     "array (reshape a scalar to shape (1,))")
+  if not isinstance(axis, (int, np.integer)) or isinstance(axis, (bool, np.bool_)) \
+      or not -ndim <= axis < ndim:
+    raise ValueError(f"axis={axis!r} is out of range for an array with ndim={ndim}; "
+                     f"valid: an int in [{-ndim}, {ndim - 1}]")
+  return int(axis) % ndim
 
 
 def _packable_qtype(qtype) -> qtypes.QType:
@@ -98,12 +111,12 @@ def pack(values: jax.Array, qtype, *, axis: int = -1) -> jax.Array:
   values = jnp.asarray(values)
   if not jnp.issubdtype(values.dtype, jnp.integer):
     raise ValueError(f"pack expects integer quantized values, got dtype {values.dtype}")
+  axis = _check_axis(axis, values.ndim, "pack")
   if not isinstance(values, jax.core.Tracer) and qt.kind != "binary" and values.size:
     lo, hi = int(jnp.min(values)), int(jnp.max(values))
     if lo < qt.qmin or hi > qt.qmax:
       raise ValueError(f"values in [{lo}, {hi}] do not fit {qt.name} "
                        f"([{int(qt.qmin)}, {int(qt.qmax)}]): they would wrap when packed")
-  axis = axis % values.ndim
   vpw = values_per_word(qt.bits)
   n = values.shape[axis]
   pad = packed_size(n, qt.bits) * vpw - n
@@ -126,7 +139,7 @@ def unpack(words: jax.Array, qtype, *, size: int, axis: int = -1) -> jax.Array:
   qt = _packable_qtype(qtype)
   if words.dtype != WORD_DTYPE:
     raise ValueError(f"unpack expects {jnp.dtype(WORD_DTYPE)} words, got {words.dtype}")
-  axis = axis % words.ndim
+  axis = _check_axis(axis, words.ndim, "unpack")
   vpw = values_per_word(qt.bits)
   nwords = words.shape[axis]
   if not (nwords - 1) * vpw < size <= nwords * vpw:

@@ -9,6 +9,15 @@ size is the full size for a *channelwise* axis (one scale per index), the
 number of tiles for a *tiled* axis (group-wise scales along the contracting
 axis, ``size // tile_size``), and 1 for an axis reduced over.
 
+Zeros: every data-dependent calibration (all but ``fixed``) gives an all-zero
+group the scale 1 (0 for ``binary``), so it comes back as exact zeros.
+``binary`` has no zero code (sign(0) = +1, which is what lets it pack into one
+bit), so with a ``fixed`` bound it maps 0 to +bound.
+
+Finite inputs of any float32 magnitude give finite scales and finite
+dequantized values: scales are floored at the smallest normal float32
+(:data:`TINY`; XLA flushes subnormals to zero, which would zero a whole
+group) and capped where ``qmax * scale`` would overflow (:func:`max_scale`).
 NaN and Inf are propagated visibly, never turned into plausible numbers: any
 non-finite input makes the scale of its group NaN, so every dequantized value
 of that group (and every product computed from it) is NaN.
@@ -28,6 +37,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import numbers
 from typing import Literal, Mapping
 
 import jax
@@ -40,6 +51,35 @@ from qtrain.core import rounding
 
 CalibrationMethod = Literal["absmax", "absmean", "rms", "minmax", "fixed", "percentile"]
 CALIBRATION_METHODS: tuple[str, ...] = ("absmax", "absmean", "rms", "minmax", "fixed", "percentile")
+
+
+def _is_real(v) -> bool:
+  """An int or float (Python or numpy), not a bool and not a string."""
+  return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
+_F32 = np.finfo(np.float32)
+# Calibration numbers become float32 scales: outside float32's normal range
+# they would flush to 0 or overflow to inf.
+_POSITIVE = f"a finite real number in [{float(_F32.tiny):.4g}, {float(_F32.max):.4g}] (float32's normal range)"
+
+
+def _positive_float(field: str, v) -> float:
+  if not _is_real(v) or not float(_F32.tiny) <= v <= float(_F32.max):  # NaN fails it
+    raise ValueError(f"{field}={v!r} is not valid; valid: {_POSITIVE}")
+  return float(v)
+
+
+def _is_axis(a) -> bool:
+  return isinstance(a, (int, np.integer)) and not isinstance(a, (bool, np.bool_))
+
+
+def _int_tuple(v) -> tuple[int, ...] | None:
+  """``v`` as a tuple of ints, or None if it is not a sequence of int axes."""
+  if isinstance(v, (str, bytes, Mapping)) or not hasattr(v, "__iter__"):
+    return None
+  v = tuple(v)
+  return tuple(int(a) for a in v) if all(_is_axis(a) for a in v) else None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,23 +106,25 @@ class Calibration:
   percentile: float | None = None
 
   def __post_init__(self):
-    if self.method not in CALIBRATION_METHODS:
+    if not isinstance(self.method, str) or self.method not in CALIBRATION_METHODS:
       raise ValueError(
           f"Unknown calibration method={self.method!r}; valid: {list(CALIBRATION_METHODS)}")
-    if not (np.isfinite(self.multiplier) and self.multiplier > 0):
-      raise ValueError(f"multiplier={self.multiplier} must be a finite number > 0")
+    object.__setattr__(self, "multiplier", _positive_float("multiplier", self.multiplier))
     if self.method == "fixed":
-      if self.bound is None or not (np.isfinite(self.bound) and self.bound > 0):
-        raise ValueError(f"method='fixed' needs bound > 0 (finite), got bound={self.bound}")
+      if self.bound is None:
+        raise ValueError("method='fixed' needs bound=..., got bound=None; valid: " + _POSITIVE)
+      object.__setattr__(self, "bound", _positive_float("bound", self.bound))
     elif self.bound is not None:
-      raise ValueError(f"bound={self.bound} is only used with method='fixed', not {self.method!r}")
+      raise ValueError(f"bound={self.bound!r} is only used with method='fixed', not {self.method!r}")
     if self.method == "percentile":
-      if self.percentile is None or not 0 < self.percentile <= 100:
-        raise ValueError(
-            f"method='percentile' needs percentile in (0, 100], got percentile={self.percentile}")
+      p = self.percentile
+      if not _is_real(p) or not 0 < p <= 100:  # NaN fails the comparison
+        raise ValueError(f"method='percentile' needs percentile=..., got percentile={p!r}; "
+                         "valid: a real number in (0, 100]")
+      object.__setattr__(self, "percentile", float(p))
     elif self.percentile is not None:
       raise ValueError(
-          f"percentile={self.percentile} is only used with method='percentile', not {self.method!r}")
+          f"percentile={self.percentile!r} is only used with method='percentile', not {self.method!r}")
 
   @property
   def is_static(self) -> bool:
@@ -126,14 +168,28 @@ class QuantizeSpec:
     qt = qtypes.get_qtype(self.qtype)
     object.__setattr__(self, "qtype", qt)
     object.__setattr__(self, "calibration", as_calibration(self.calibration))
-    object.__setattr__(self, "channelwise_axes", tuple(self.channelwise_axes))
-    object.__setattr__(self, "tiled_axes", dict(self.tiled_axes))
+    cw = _int_tuple(self.channelwise_axes)
+    if cw is None:
+      raise ValueError(f"channelwise_axes={self.channelwise_axes!r} is not valid; valid: a tuple "
+                       "of int axes, e.g. (0,) or (0, -1)")
+    dup = sorted({a for a in cw if cw.count(a) > 1})
+    if dup:
+      raise ValueError(f"channelwise_axes={cw} names axis {dup[0]} more than once")
+    object.__setattr__(self, "channelwise_axes", cw)
+    tiles = self.tiled_axes
+    if not isinstance(tiles, Mapping):
+      raise ValueError(f"tiled_axes={tiles!r} is not valid; valid: a dict {{axis: tile_size}}, "
+                       "e.g. {-1: 128}")
+    for ax, t in tiles.items():
+      if not _is_axis(ax):
+        raise ValueError(f"tiled_axes={dict(tiles)!r}: axis {ax!r} is not an int axis")
+      if not _is_axis(t) or t <= 0:
+        raise ValueError(f"tiled_axes={dict(tiles)!r}: tile size {t!r} for axis {ax} is not "
+                         "valid; valid: a positive int")
+    object.__setattr__(self, "tiled_axes", {int(a): int(t) for a, t in tiles.items()})
     both = set(self.channelwise_axes) & set(self.tiled_axes)
     if both:
       raise ValueError(f"axes {sorted(both)} are both channelwise_axes and tiled_axes")
-    for ax, t in self.tiled_axes.items():
-      if not isinstance(t, (int, np.integer)) or t <= 0:
-        raise ValueError(f"tile size {t!r} for axis {ax} must be a positive int")
     if self.stochastic_rounding not in (None,) + rounding.STOCHASTIC_METHODS:
       raise ValueError(
           f"stochastic_rounding={self.stochastic_rounding!r}; valid: "
@@ -183,9 +239,15 @@ class QArray:
 
 def _normalize_axes(spec: QuantizeSpec, shape: tuple[int, ...]):
   nd = len(shape)
-  for ax in (*spec.channelwise_axes, *spec.tiled_axes):
-    if not -nd <= ax < nd:
-      raise ValueError(f"axis {ax} is out of range for an array of shape {shape}")
+  for what in ("channelwise_axes", "tiled_axes"):
+    seen: dict[int, int] = {}  # normalized axis -> the entry that named it
+    for ax in getattr(spec, what):
+      if not -nd <= ax < nd:
+        raise ValueError(f"axis {ax} is out of range for an array of shape {shape}")
+      if ax % nd in seen:  # e.g. tiled_axes={1: 4, -1: 8} on a 2-d array
+        raise ValueError(f"{what}={getattr(spec, what)!r} names axis {ax % nd} of shape {shape} "
+                         f"twice: as {seen[ax % nd]} and as {ax}")
+      seen[ax % nd] = ax
   cw = tuple(sorted(a % nd for a in spec.channelwise_axes))
   tiles = {a % nd: t for a, t in spec.tiled_axes.items()}
   both = set(cw) & set(tiles)
@@ -202,22 +264,26 @@ def _normalize_axes(spec: QuantizeSpec, shape: tuple[int, ...]):
   return cw, tiles
 
 
-def _group_reduce(x: jax.Array, cw, tiles, fn) -> jax.Array:
-  """Reduces ``x`` to the scale shape with ``fn(x, axis=..., keepdims=True)``."""
-  shape = x.shape
-  split_shape, red_axes, pos = [], [], 0
-  for a, n in enumerate(shape):
+def _grouped(x: jax.Array, cw, tiles) -> tuple[jax.Array, tuple[int, ...]]:
+  """``x`` reshaped so each scale group spans the returned axes (tiled axes
+  split in (tiles, tile)); a reduction over them with ``keepdims=True``
+  broadcasts back against the reshaped ``x``."""
+  split_shape, red_axes = [], []
+  for a, n in enumerate(x.shape):
     if a in tiles:
       split_shape += [n // tiles[a], tiles[a]]
-      red_axes.append(pos + 1)
-      pos += 2
+      red_axes.append(len(split_shape) - 1)
     else:
       split_shape.append(n)
       if a not in cw:
-        red_axes.append(pos)
-      pos += 1
-  r = fn(x.reshape(split_shape), axis=tuple(red_axes), keepdims=True)
-  return r.reshape(scale_shape(shape, cw, tiles))
+        red_axes.append(len(split_shape) - 1)
+  return x.reshape(split_shape), tuple(red_axes)
+
+
+def _group_reduce(x: jax.Array, cw, tiles, fn) -> jax.Array:
+  """Reduces ``x`` to the scale shape with ``fn(x, axis=..., keepdims=True)``."""
+  xs, red = _grouped(x, cw, tiles)
+  return fn(xs, axis=red, keepdims=True).reshape(scale_shape(x.shape, cw, tiles))
 
 
 def scale_shape(shape, cw, tiles) -> tuple[int, ...]:
@@ -247,47 +313,179 @@ def nonfinite_to_nan(scale: jax.Array, x: jax.Array) -> jax.Array:
   return jnp.where(finite, scale, jnp.nan)
 
 
+# Scales are floored at the smallest normal float32: XLA flushes subnormals to
+# zero (CPU and GPU), and a flushed scale would turn a whole group into zeros
+# (or NaN). A group whose bound / qmax is below it is quantized on that
+# coarser grid; its values still come back to within half a step.
+TINY = float(np.finfo(np.float32).tiny)
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+@functools.lru_cache(maxsize=None)
+def max_scale(codes: float) -> float:
+  """The largest float32 scale ``s`` with ``codes * s`` finite in float32.
+
+  Dequantization computes ``code * scale`` with ``|code| <= codes``; a scale
+  of ``bound / qmax`` rounded up could make ``qmax * scale`` overflow when the
+  bound is near the float32 limit (``(3.4028235e38 / 127) * 127`` is inf).
+  """
+  s = np.float32(_F32_MAX / codes)
+  with np.errstate(over="ignore"):
+    while not np.isfinite(s * np.float32(codes)):
+      s = np.nextafter(s, np.float32(0))
+  return float(s)
+
+
+def _symmetric_codes(qt: qtypes.QType, cal: Calibration) -> float:
+  """The largest code magnitude a symmetric calibration can produce: ``qmax``
+  for plain ``absmax`` (nothing clips), else also ``-qmin`` (a value below the
+  bound clips to ``qmin``, -128 for int8)."""
+  if cal.method == "absmax" and cal.multiplier == 1.0:
+    return float(qt.qmax)
+  return float(max(qt.qmax, -qt.qmin))
+
+
+def _bound_scale(bound: jax.Array, multiplier: float, qmax: float, codes: float) -> jax.Array:
+  """``bound * multiplier / qmax`` in [TINY, max_scale(codes)].
+
+  This order is right over the whole float32 range: ``bound * multiplier``
+  overflows only when the range exceeds float32 (the clamp then gives the
+  widest finite grid), and underflows only when the scale would be below
+  TINY anyway.
+  """
+  b = bound if multiplier == 1.0 else bound * multiplier
+  return jnp.clip(b / qmax, TINY, max_scale(codes))
+
+
+# XLA rewrites ``x / broadcast(s)`` as ``x * broadcast(1 / s)`` (CPU and GPU),
+# and 1 / s is subnormal, so flushed to 0, for |s| > 2**126: every quotient of
+# such a group would come out 0. Only scales above this need care.
+_RECIP_SAFE = 2.0 ** 126
+
+
+def divide_by_scale(x: jax.Array, scale: jax.Array, *, scale_max: float | None = None) -> jax.Array:
+  """``x / scale`` in float32 for a scale of ``x``'s rank (broadcast or tiled,
+  see :func:`expand_scale`); a zero scale divides by 1 (0 / 0 would be NaN).
+
+  Where ``|scale| > 2**125`` the reciprocal is taken of ``scale * 2**-8`` and
+  the power of two reapplied (exact), so the quotient is right for every
+  scale up to the float32 limit. ``scale_max``: a static bound on the scales
+  (calibrated ones have one); below 2**126 the plain division is already right.
+  """
+  s = jnp.where(scale == 0, 1.0, scale)
+  if scale_max is not None and scale_max <= _RECIP_SAFE:
+    return x / expand_scale(s, x.shape)
+  f = jnp.where(jnp.abs(s) > _RECIP_SAFE / 2, 2.0 ** -8, 1.0)
+  r = 1.0 / (s * f)
+  return (x * expand_scale(r, x.shape)) * expand_scale(f, x.shape)
+
+
 def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | None]:
-  """Returns ``(scale, zero_point)`` for ``x`` (zero_point None if symmetric)."""
+  """Returns ``(scale, zero_point)`` for ``x`` (zero_point None if symmetric).
+
+  For finite ``x`` every scale is finite and in [TINY, max_scale]: an
+  all-zero group gets 1 (its values come back as exact zeros), or 0 for
+  ``binary`` (no zero code: +1 * 0 = 0); data-dependent calibrations decide
+  "all zero" from the data, not from the bound. A group holding a NaN/Inf
+  gets a NaN scale.
+  """
   qt: qtypes.QType = spec.qtype  # type: ignore[assignment]
   cal: Calibration = spec.calibration  # type: ignore[assignment]
   cw, tiles = _normalize_axes(spec, x.shape)
-  xf = x.astype(jnp.float32)
+  xs, red = _grouped(x.astype(jnp.float32), cw, tiles)
+  out_shape = scale_shape(x.shape, cw, tiles)
+  group = lambda fn, v: fn(v, axis=red, keepdims=True)
+  # min(x, 0) / max(x, 0) / max|x| with 0 as the identity: an empty group is all zero.
+  gmin = lambda v: jnp.min(v, axis=red, keepdims=True, initial=0.0)
+  gmax = lambda v: jnp.max(v, axis=red, keepdims=True, initial=0.0)
   if cal.method == "minmax":
-    lo = jnp.minimum(_group_reduce(xf, cw, tiles, jnp.min), 0.0) * cal.multiplier
-    hi = jnp.maximum(_group_reduce(xf, cw, tiles, jnp.max), 0.0) * cal.multiplier
-    span = hi - lo
-    scale = _finite_or_nan(jnp.where(span == 0, 1.0, span / (qt.qmax - qt.qmin)))
-    zero_point = jnp.clip(qt.qmin - jnp.round(lo / scale), qt.qmin, qt.qmax)
-    return scale, zero_point
-  ax = jnp.abs(xf)
+    return _calibrate_minmax(gmin(xs), gmax(xs), qt, cal.multiplier, out_shape)
+  ax = jnp.abs(xs)
+  codes = _symmetric_codes(qt, cal)
+  if cal.method == "fixed":
+    s = _bound_scale(jnp.float32(cal.bound), cal.multiplier, qt.qmax, codes)
+    return jnp.full(out_shape, s, jnp.float32), None
+  finite = None  # where the group's data are finite (None: the bound tells)
   if cal.method == "absmax":
-    bound = _group_reduce(ax, cw, tiles, jnp.max)
+    bound = gmax(ax)
+    zero = bound == 0
   elif cal.method == "absmean":
-    bound = _group_reduce(ax, cw, tiles, jnp.mean)
+    bound, zero, finite = _abs_mean(ax, red)
   elif cal.method == "rms":
-    bound = jnp.sqrt(_group_reduce(xf * xf, cw, tiles, jnp.mean))
-  elif cal.method == "percentile":
+    m = gmax(ax)
+    zero = m == 0
+    # Pre-scaled by the group's absmax: x * x would underflow (|x| < ~1e-19)
+    # or overflow (|x| > ~1.8e19); (x / m)^2 <= 1 does neither where it matters.
+    r = jnp.sqrt(group(jnp.mean, jnp.square(divide_by_scale(xs, m))))
+    bound = jnp.minimum(m * r, _F32_MAX)  # m * r <= m up to rounding
+    finite = jnp.isfinite(m)
+  else:  # percentile
     p = cal.percentile
-    bound = _group_reduce(ax, cw, tiles, lambda v, axis, keepdims: jnp.percentile(
-        v, p, axis=axis, keepdims=keepdims))
-  else:  # fixed
-    bound = jnp.full(scale_shape(x.shape, cw, tiles), cal.bound, jnp.float32)
-  bound = bound * cal.multiplier
-  # bound == 0 (all zeros): scale 1 gives exact zeros back; binary has no 0
-  # code, so its all-zero groups get scale 0 (+1 * 0 = 0). NaN/Inf bounds -> NaN.
+    if all(xs.shape[a] for a in red):
+      bound = group(lambda v, axis, keepdims: jnp.percentile(v, p, axis=axis, keepdims=keepdims), ax)
+    else:  # empty groups (jnp.percentile cannot take them): all zero
+      bound = gmax(ax)
+    # A 0 percentile of non-zero data is a real bound of 0 (everything clips
+    # to the TINY grid); only all-zero data get the exact-zero scale.
+    zero = gmax(ax) == 0
+  if finite is None:
+    finite = jnp.isfinite(bound)
   zero_scale = 0.0 if qt.kind == "binary" else 1.0
-  return _finite_or_nan(jnp.where(bound == 0, zero_scale, bound / qt.qmax)), None
+  scale = jnp.where(zero, zero_scale, _bound_scale(bound, cal.multiplier, qt.qmax, codes))
+  return jnp.where(finite, scale, jnp.nan).reshape(out_shape), None
 
 
-def _safe_scale(scale: jax.Array) -> jax.Array:
-  """``scale`` with 0 replaced by 1, to divide by: a zero scale (binary's
-  all-zero group) holds only zeros, and ``0 / 1 = 0`` where ``0 / 0`` is NaN."""
-  return jnp.where(scale == 0, 1.0, scale)
+def _abs_mean(ax: jax.Array, red: tuple[int, ...]):
+  """(mean, all zero, finite) of each group of ``ax = |x|``, over the whole float32 range.
+
+  The plain sum overflows when the group's values are near the float32 limit;
+  a sum pre-scaled by ``2**-c`` (``2**c >= 2n``) cannot (each term is at most
+  max / 2n), but it would flush values below ``2**c`` * TINY. Both sums read
+  the same data (XLA fuses sibling reductions into one pass); the pre-scaled
+  one is used only where the plain one overflowed, where the flushed terms
+  are negligible. Cheaper than pre-scaling by the group's absmax, which needs
+  a second pass over the data.
+  """
+  n = max(int(np.prod([ax.shape[a] for a in red])), 1)  # an empty group sums to 0
+  c = n.bit_length() + 1  # 2**c >= 2n
+  s0 = jnp.sum(ax, axis=red, keepdims=True)
+  s1 = jnp.sum(ax * float(2.0 ** -c), axis=red, keepdims=True)  # finite iff the data are
+  mean = jnp.where(jnp.isfinite(s0), s0 / n, s1 * float(2.0 ** c / n))
+  # s0 > 0 for any non-zero data (no cancellation), even where s0 / n underflows.
+  return jnp.minimum(mean, _F32_MAX), s0 == 0, jnp.isfinite(s1)
 
 
-def _finite_or_nan(scale: jax.Array) -> jax.Array:
-  return jnp.where(jnp.isfinite(scale), scale, jnp.nan)
+def _calibrate_minmax(lo: jax.Array, hi: jax.Array, qt: qtypes.QType, multiplier: float,
+                      out_shape) -> tuple[jax.Array, jax.Array]:
+  """Scale and integer zero point mapping [min(x, 0), max(x, 0)] * multiplier
+  onto [qmin, qmax], with every dequantized value ``(q - zp) * scale`` finite.
+
+  The span is computed as ``hi / n - lo / n`` (``hi - lo`` overflows for
+  values near the float32 limit). The zero point is rounded to an integer, so
+  the grid's ends lie within half a step of the range; where that half step
+  would take an end past the float32 limit, the zero point moves one step
+  the other way (the values at that end then come back within one step), and
+  the scale is capped so that a grid of n steps through 0 fits at all.
+  """
+  finite = jnp.isfinite(lo) & jnp.isfinite(hi)
+  zero = (lo == 0) & (hi == 0)
+  lo, hi = jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0)
+  if multiplier != 1.0:
+    lo = jnp.maximum(lo * multiplier, -_F32_MAX)
+    hi = jnp.minimum(hi * multiplier, _F32_MAX)
+  n = qt.qmax - qt.qmin
+  # Cap: 2**(bits-1) steps on each side of 0 fit in float32 (with a little
+  # room for rounding), so some integer zero point keeps both ends finite.
+  cap = max_scale(-qt.qmin) * (1 - 2.0 ** -18)
+  scale = jnp.clip(hi / n - lo / n, TINY, cap)
+  scale = jnp.where(zero, 1.0, scale)
+  r = jnp.round(divide_by_scale(lo, scale))  # the code of 0 is -r: the grid is (r .. r + n) * scale
+  # |j * scale| stays finite for |j| <= k.
+  k = jnp.floor(divide_by_scale(jnp.full_like(scale, _F32_MAX * (1 - 2.0 ** -20)), scale))
+  r = jnp.clip(r, -k, k - n)
+  zero_point = jnp.clip(qt.qmin - r, qt.qmin, qt.qmax)
+  scale = jnp.where(finite, scale, jnp.nan)
+  return scale.reshape(out_shape), zero_point.reshape(out_shape)
 
 
 def quantize_with_scale(
@@ -306,17 +504,42 @@ def quantize_with_scale(
   whole scale group NaN, so they show as NaN after dequantization instead of
   as clipped, plausible numbers. ``quantize`` turns it off for calibrations
   whose scale already propagates NaN/Inf (absmax, absmean, rms, minmax).
+
+  A scale of magnitude below :data:`TINY` (0, or a subnormal, which XLA reads
+  as 0 on CPU and GPU alike) is stored as 0 and means "this group is zero":
+  its values dequantize to exact zeros, never NaN/Inf (``binary``'s all-zero
+  groups use it). A NaN/Inf scale gives NaN values. A scale above
+  ``max_scale`` of the qtype's largest code is lowered to it, so every code
+  dequantizes to a finite value. Any other scale is used as given; where
+  ``|x| / scale`` exceeds the float32 range (a small fixed or learned scale,
+  a huge ``x``) the value saturates to the end of the range, as any value
+  beyond the bound does.
   """
   qt = qtypes.get_qtype(qtype)
+  top = max_scale(float(max(qt.qmax, -qt.qmin)))
+  scale = jnp.asarray(scale, jnp.float32)
+  scale = jnp.where(jnp.isfinite(scale), jnp.clip(scale, -top, top), jnp.nan)
+  scale = jnp.where(jnp.abs(scale) < TINY, 0.0, scale)
+  return _quantize_with_scale(x, qt, scale, zero_point, stochastic_rounding=stochastic_rounding,
+                              key=key, check_finite=check_finite, scale_max=top)
+
+
+def _quantize_with_scale(x, qt: qtypes.QType, scale, zero_point, *, stochastic_rounding, key,
+                         check_finite: bool, scale_max: float | None) -> QArray:
+  """:func:`quantize_with_scale` for a scale that is 0 or >= TINY; ``scale_max``
+  is a static bound on it if known (see :func:`divide_by_scale`)."""
   xf = x.astype(jnp.float32)
-  scale = scale.astype(jnp.float32)
   if scale.ndim != x.ndim:
     raise ValueError(f"scale of shape {scale.shape} must have the rank of x {x.shape}")
   if check_finite:
     scale = nonfinite_to_nan(scale, x)
-  y = xf / _safe_scale(expand_scale(scale, x.shape))
+  y = divide_by_scale(xf, scale, scale_max=scale_max)
   if zero_point is not None:
     y = y + expand_scale(zero_point, x.shape)
+  if qt.kind == "binary" and stochastic_rounding is None:
+    # y underflows to +-0 for |x| far below the scale (a group spanning more
+    # than float32's range); binary keeps x's sign there (+1 for x = +-0).
+    y = jnp.where(y == 0, xf, y)
   if stochastic_rounding is not None:
     if key is None:
       raise ValueError(f"stochastic_rounding={stochastic_rounding!r} needs a PRNG key, got key=None")
@@ -329,10 +552,13 @@ def quantize_with_scale(
 def quantize(x: jax.Array, spec: QuantizeSpec, *, key: jax.Array | None = None) -> QArray:
   """Calibrates and quantizes ``x`` per ``spec`` (see :class:`QuantizeSpec`)."""
   scale, zp = calibrate(x, spec)
+  qt: qtypes.QType = spec.qtype  # type: ignore[assignment]
   method = spec.calibration.method  # type: ignore[union-attr]
-  return quantize_with_scale(
-      x, spec.qtype, scale, zp, stochastic_rounding=spec.stochastic_rounding, key=key,
-      check_finite=method in ("fixed", "percentile"))
+  # Calibrated scales are 0, 1 (all-zero groups) or in [TINY, this].
+  scale_max = max(max_scale(float(min(qt.qmax, -qt.qmin))), 1.0)
+  return _quantize_with_scale(
+      x, qt, scale, zp, stochastic_rounding=spec.stochastic_rounding, key=key,
+      check_finite=method in ("fixed", "percentile"), scale_max=scale_max)
 
 
 def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:

@@ -244,8 +244,17 @@ def scale_product(acc: jax.Array, ls_o: jax.Array, rs_o: jax.Array, *, grouped: 
                   out_dtype) -> jax.Array:
   """The epilogue of a quantized product: ``(acc * ls_o) * rs_o`` in float32
   (summed over the leading group axis when ``grouped``), cast to ``out_dtype``.
-  ``ls_o`` / ``rs_o`` are the operands' scales in the output layout."""
-  out = acc.astype(jnp.float32) * ls_o * rs_o
+  ``ls_o`` / ``rs_o`` are the operands' scales in the output layout.
+
+  Where ``(acc * ls_o) * rs_o`` is not finite, ``acc * (ls_o * rs_o)`` is
+  used instead: ``acc * ls_o`` overflows when one scale is huge and the other
+  small although the product is moderate. Finite results are bit-identical to
+  ``(acc * ls_o) * rs_o`` (the Pallas kernels' epilogues compute the same);
+  NaN scales and products beyond float32 stay NaN / inf.
+  """
+  accf = acc.astype(jnp.float32)
+  out = accf * ls_o * rs_o
+  out = jnp.where(jnp.isfinite(out), out, accf * (ls_o * rs_o))
   if grouped:
     out = jnp.sum(out, axis=0)
   return out.astype(out_dtype)

@@ -277,12 +277,23 @@ def _write_out(acc, o_ref, rs_ref, as_ref, ws_ref, *, spec: KernelSpec, final: b
     return
   if spec.bits_trick:
     acc = 2 * acc - rs_ref[...]
-  out = acc.astype(jnp.float32)
-  if has_a_scale:
-    out = out * as_ref[...]
-  if has_w_scale:
-    out = out * ws_ref[...]
+  out = _scale(acc.astype(jnp.float32), as_ref[...] if has_a_scale else None,
+               ws_ref[...] if has_w_scale else None)
   o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _scale(acc, a_scale, w_scale):
+  """``(acc * a_scale) * w_scale``, the order of :func:`qtrain.core.qdot.scale_product`
+  (same bits), with its fallback ``acc * (a_scale * w_scale)`` where the first is
+  not finite (one huge scale times a small one)."""
+  out = acc
+  if a_scale is not None:
+    out = out * a_scale
+  if w_scale is not None:
+    out = out * w_scale
+  if a_scale is not None and w_scale is not None:
+    out = jnp.where(jnp.isfinite(out), out, acc * (a_scale * w_scale))
+  return out
 
 
 def _unscale(acc, spec: KernelSpec):
@@ -362,12 +373,7 @@ def epilogue_reference(acc, *, rowsum=None, a_scale=None, w_scale=None, out_dtyp
   """The kernel's epilogue in jnp (same operation order); also used after split-K."""
   if rowsum is not None:
     acc = 2 * acc - rowsum
-  out = acc.astype(jnp.float32)
-  if a_scale is not None:
-    out = out * a_scale
-  if w_scale is not None:
-    out = out * w_scale
-  return out.astype(out_dtype)
+  return _scale(acc.astype(jnp.float32), a_scale, w_scale).astype(out_dtype)
 
 
 def qmatmul(a: jax.Array, w: jax.Array, *, spec: KernelSpec, k: int,

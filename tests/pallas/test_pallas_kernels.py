@@ -173,3 +173,29 @@ def test_validation_messages():
   with pytest.raises(ValueError, match="block_n=256"):
     bmm.binary_matmul(jnp.ones((2, 64), jnp.int8), w,
                       config=BlockConfig(block_m=16, block_n=256), interpret=True)
+
+
+@pytest.mark.parametrize("config", [SMALL, SPLIT])
+def test_int8_matmul_epilogue_survives_a_huge_times_tiny_scale(config):
+  # (acc * x_scale) * w_scale overflows for x_scale ~1e35 and w_scale ~1e-32
+  # although the product is ~1e7: the kernel's epilogue falls back to
+  # acc * (x_scale * w_scale) there, with the bits of qdot.scale_product.
+  from qtrain.core import qdot
+  rng = np.random.default_rng(7)
+  m, k, n = 20, 128, 40
+  x, w = _acts(rng, m, k, "int8"), _acts(rng, n, k, "int8")
+  xs = jnp.asarray(10.0 ** rng.uniform(33, 36, m), jnp.float32).at[:4].set(1.5)
+  ws = jnp.asarray(10.0 ** rng.uniform(-37, -30, n), jnp.float32).at[:4].set(2.0)
+  out = imm.int8_matmul(x, w, x_scale=xs, w_scale=ws, config=config, interpret=True)
+  ref = imm.int8_matmul_reference(x, w, x_scale=xs, w_scale=ws)
+  acc = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+  xla = qdot.scale_product(acc, xs[:, None], ws[None, :], grouped=False, out_dtype=jnp.float32)
+  np.testing.assert_array_equal(out, ref)
+  np.testing.assert_array_equal(out, xla)
+  exact = (np.asarray(acc, np.float64) * np.asarray(xs, np.float64)[:, None]
+           * np.asarray(ws, np.float64)[None, :])
+  # Rows 4.. times columns 0..3 (x_scale ~1e35 times w_scale 2) are beyond float32.
+  over = np.abs(exact) > np.finfo(np.float32).max
+  assert over.any() and not over[:4].any() and not over[:, 4:].any()
+  assert np.all(np.isinf(np.asarray(out)[over]))
+  np.testing.assert_allclose(np.asarray(out)[~over], exact[~over], rtol=2.0 ** -22)
