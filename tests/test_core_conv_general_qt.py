@@ -14,6 +14,7 @@ Error budgets (as in test_core_dot_general_qt):
 import dataclasses
 import functools
 import importlib
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,9 @@ def _to_hwio(w, spec):
   return np.transpose(w, [spec.index(c) for c in "HWIO"])
 
 
-def np_conv(x, w, layout, strides, padding, rhs_dilation, groups):
+def _np_conv_windows(x, w, layout, strides, padding, rhs_dilation, groups):
+  """float64 NHWC input (padded), HWIO kernel, and per (tap, group) the slices a
+  convolution reads: (input window, input channels, output channels, i, j)."""
   lspec, rspec, ospec = layout
   x = _to_nhwc(np.asarray(x, np.float64), lspec)
   w = _to_hwio(np.asarray(w, np.float64), rspec)
@@ -58,19 +61,39 @@ def np_conv(x, w, layout, strides, padding, rhs_dilation, groups):
     pads = jax.lax.padtype_to_pads((h, wd), (ekh, ekw), strides, padding)
   else:
     pads = padding
-  x = np.pad(x, ((0, 0), tuple(pads[0]), tuple(pads[1]), (0, 0)))
+  xp = np.pad(x, ((0, 0), tuple(pads[0]), tuple(pads[1]), (0, 0)))
   sh, sw = strides
-  oh = (x.shape[1] - ekh) // sh + 1
-  ow = (x.shape[2] - ekw) // sw + 1
+  oh = (xp.shape[1] - ekh) // sh + 1
+  ow = (xp.shape[2] - ekw) // sw + 1
   og = o // groups
-  out = np.zeros((n, oh, ow, o))
-  for i in range(kh):
-    for j in range(kw):
-      patch = x[:, i * dh: i * dh + sh * (oh - 1) + 1: sh, j * dw: j * dw + sw * (ow - 1) + 1: sw, :]
-      for g in range(groups):
-        out[..., g * og:(g + 1) * og] += np.einsum(
-            "nhwc,co->nhwo", patch[..., g * cg:(g + 1) * cg], w[i, j, :, g * og:(g + 1) * og])
-  return np.transpose(out, ["NHWC".index(ch) for ch in ospec])
+  taps = [((slice(None), slice(i * dh, i * dh + sh * (oh - 1) + 1, sh),
+            slice(j * dw, j * dw + sw * (ow - 1) + 1, sw)),
+           slice(g * cg, (g + 1) * cg), slice(g * og, (g + 1) * og), i, j)
+          for i in range(kh) for j in range(kw) for g in range(groups)]
+  return xp, w, pads, taps, (n, oh, ow, o)
+
+
+def np_conv(x, w, layout, strides, padding, rhs_dilation, groups):
+  xp, w, _, taps, out_shape = _np_conv_windows(x, w, layout, strides, padding, rhs_dilation, groups)
+  out = np.zeros(out_shape)
+  for win, ci, co, i, j in taps:
+    out[..., co] += np.einsum("nhwc,co->nhwo", xp[win][..., ci], w[i, j, :, co])
+  return np.transpose(out, ["NHWC".index(ch) for ch in layout[2]])
+
+
+def np_conv_vjp(ct, x, w, layout, strides, padding, rhs_dilation, groups):
+  """float64 (d input, d kernel) of sum(ct * np_conv(x, w, ...))."""
+  lspec, rspec, ospec = layout
+  xp, wk, pads, taps, _ = _np_conv_windows(x, w, layout, strides, padding, rhs_dilation, groups)
+  ct = np.transpose(np.asarray(ct, np.float64), [ospec.index(ch) for ch in "NHWC"])
+  dxp, dw = np.zeros_like(xp), np.zeros_like(wk)
+  for win, ci, co, i, j in taps:
+    dxp[win + (ci,)] += np.einsum("nhwo,co->nhwc", ct[..., co], wk[i, j, :, co])
+    dw[i, j, :, co] += np.einsum("nhwc,nhwo->co", xp[win][..., ci], ct[..., co])
+  (t, _), (l, _) = pads
+  dx = dxp[:, t:t + xp.shape[1] - sum(pads[0]), l:l + xp.shape[2] - sum(pads[1]), :]
+  return (np.transpose(dx, ["NHWC".index(ch) for ch in lspec]),
+          np.transpose(dw, ["HWIO".index(ch) for ch in rspec]))
 
 
 # ----------------------------------------------------------------------------
@@ -398,3 +421,217 @@ def test_non_cpu_conv_path_is_exact_for_integer_values(qtype, lo, hi):
   elsewhere = mod._low_precision_conv(a, b, p, is_float=False, backend="gpu")
   np.testing.assert_array_equal(np.asarray(on_cpu), np.asarray(elsewhere))
   assert float(jnp.max(jnp.abs(on_cpu))) > 0
+
+
+# ----------------------------------------------------------------------------
+# Dtype policy (qtrain.core.qt_operand): float dtype pairs x quantized sides,
+# forward and gradients vs float64.
+#
+# Reference: float64 convolutions of the dequantized operands (q * s, exact
+# in float64) and of the float operands. Budget per output element, as in
+# test_core_dot_general_qt: with a float side the convolution runs in
+# c = promote_types(lhs.dtype, rhs.dtype), a quantized side dequantized into c
+# rounds each value by <= u_c |v| + eta_c (a float side cast up to c, int8 ->
+# int32 and fp8 x fp8 products round nothing; integer x fp8 dequantizes both
+# sides into float32); float32 accumulation of the K window terms, product
+# roundings and the epilogue's two scalings add (K + 3) 2^-24 (|x|*|w|); the
+# cast to the output dtype o adds u_o (|ref| + E) + eta_o. Gradients: float32
+# math on the residuals as the forward rounded them (so the same rounding
+# terms), the cotangent exact (multiples of 1/4 in [-1, 1]), K' = an upper
+# bound on the terms per gradient element, the operand's dtype as o.
+
+_DT = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
+
+
+def _rounding(dtype):
+  """(u, eta): rounding into ``dtype`` errs by <= u |v| + eta."""
+  fi = jnp.finfo(dtype)
+  return 2.0 ** -(fi.nmant + 1), 2.0 ** (fi.minexp - fi.nmant - 1)
+
+
+def _deq64(q):
+  """A QArray's dequantized values, exactly, in float64."""
+  v = np.asarray(q.qvalue.astype(jnp.float32), np.float64)
+  return v * np.asarray(qarray.expand_scale(q.scale, q.shape), np.float64)
+
+
+def _bound(a_abs, n_terms, ref, out_dtype, rounded=()):
+  e = (n_terms + 3) * 2.0 ** -24 * a_abs
+  for dtype, uw, ew in rounded:
+    u, eta = _rounding(dtype)
+    e = e + u * uw + eta * ew
+  uo, eo = _rounding(out_dtype)
+  return e + uo * (np.abs(ref) + e) + eo
+
+
+@functools.partial(jax.jit, static_argnames=("geom", "cfg"))
+def _conv_fwd_vjp(x, w, ct, geom, cfg):
+  """(out, d input, d kernel, input QArray, kernel QArray) in one program."""
+  layout, strides, padding, dil, groups = geom
+  f = lambda x, w: conv_general_qt(x, w, strides, padding, None, dil, layout, groups, config=cfg)
+  out, vjp = jax.vjp(f, x, w)
+  lspec, rspec = _specs(cfg.lhs, cfg.rhs, layout)
+  q = lambda v, spec: spec and qarray.quantize(v, spec)
+  return (out, *vjp(ct.astype(out.dtype)), q(x, lspec), q(w, rspec))
+
+
+def check_conv_against_float64(x, w, geom, lq, rq, *, seed=0, ct_scale=1.0):
+  layout, strides, padding, dil, groups = geom
+  ld, rd = x.dtype, w.dtype
+  o = jnp.result_type(ld, rd)
+  c = jnp.promote_types(ld, rd)
+  conv = lambda a, b: np_conv(a, b, layout, strides, padding, dil, groups)
+  out_shape = conv(np.zeros(x.shape), np.zeros(w.shape)).shape
+  ct = np.random.default_rng(seed).integers(-4, 5, out_shape) * 0.25 * ct_scale
+  cfg = _cfg(lq, rq)
+  out, gx, gw, xq, wq = _conv_fwd_vjp(x, w, jnp.asarray(ct, o), geom, cfg)
+  assert (out.dtype, gx.dtype, gw.dtype) == (o, ld, rd)
+  assert out.shape == out_shape and gx.shape == x.shape and gw.shape == w.shape
+  xh = _deq64(xq) if lq else np.asarray(x, np.float64)
+  wh = _deq64(wq) if rq else np.asarray(w, np.float64)
+  ax, aw = np.abs(xh), np.abs(wh)
+  kh, kw, cin, cout = _to_hwio(np.zeros(w.shape), layout[1]).shape
+  # Forward.
+  ref, a_abs = conv(xh, wh), conv(ax, aw)
+  if lq and rq:
+    r = [] if lq.qtype.is_float == rq.qtype.is_float else [(jnp.float32, 2 * a_abs, 0 * a_abs)]
+  elif lq:
+    r = [(c, a_abs, conv(np.ones_like(ax), aw))]
+  else:
+    r = [(c, a_abs, conv(ax, np.ones_like(aw)))]
+  err, bound = np.abs(np.asarray(out, np.float64) - ref), _bound(a_abs, kh * kw * cin, ref, o, r)
+  assert np.all(np.isfinite(np.asarray(out, np.float64)))
+  assert np.all(err <= bound), np.max(err / bound)
+  # Gradients: residuals rounded as the forward rounded them.
+  vjp = lambda a, b, t=ct: np_conv_vjp(t, a, b, layout, strides, padding, dil, groups)
+  rx, rw = vjp(xh, wh)
+  gax, gaw = vjp(ax, aw, np.abs(ct))
+  both = bool(lq) and bool(rq)
+  dq = jnp.float32 if both else c
+  rx_ = [(dq, gax, vjp(ax, np.ones_like(aw), np.abs(ct))[0])] if rq else []
+  rw_ = [(dq, gaw, vjp(np.ones_like(ax), aw, np.abs(ct))[1])] if lq else []
+  n_out = int(np.prod(out_shape)) // cout
+  for g, rf, a, n, rr, dt in ((gx, rx, gax, kh * kw * cout // groups, rx_, ld),
+                              (gw, rw, gaw, n_out, rw_, rd)):
+    err, bound = np.abs(np.asarray(g, np.float64) - rf), _bound(a, n, rf, dt, rr)
+    assert np.all(err <= bound), np.max(err / bound)
+  return out
+
+
+def _geom(case):
+  layout, xs, ws, strides, padding, dil, groups, *_ = CASES[case]
+  return (layout, strides, padding, dil, groups), xs, ws
+
+
+_QS = ("int8", "int4", "binary", "float8_e4m3fn", "float8_e5m2")
+CONV_POLICY_CASES = (
+    # weight-only int8 under every float dtype pair (a bf16 nn.Conv included).
+    [(p, None, "int8") for p in ((a, b) for a in _DT for b in _DT)] +
+    [(p, "int8", None) for p in (("bf16", "bf16"), ("f16", "f16"), ("f32", "f16"), ("bf16", "f32"))] +
+    [(p, None, q) for q in _QS[1:] for p in (("bf16", "bf16"), ("f16", "f32"))] +
+    [(p, lq, rq) for lq, rq in (("int8", "int8"), ("float8_e4m3fn", "float8_e4m3fn"),
+                                ("float8_e5m2", "float8_e4m3fn"), ("float8_e4m3fn", "float8_e5m2"),
+                                ("int8", "float8_e4m3fn"))
+     for p in (("bf16", "bf16"), ("f16", "f32"))])
+
+
+@pytest.mark.parametrize("dtypes,lq,rq", CONV_POLICY_CASES)
+def test_conv_dtype_policy_vs_float64(dtypes, lq, rq):
+  geom, xs, ws = _geom("nhwc_same_int8")
+  seed = zlib.crc32(f"{dtypes}/{lq}/{rq}".encode()) % 1000
+  x = jnp.asarray(_rand(xs, seed), _DT[dtypes[0]])
+  w = jnp.asarray(_rand(ws, seed + 1, 0.3), _DT[dtypes[1]])
+  check_conv_against_float64(x, w, geom, lq and OQ(qtype=lq), rq and OQ(qtype=rq), seed=seed)
+
+
+@pytest.mark.parametrize("case", ["nchw_stride2_explicit_int8", "nhwc_dilated_valid_fp8",
+                                  "nchw_groups2_int4w_a8"])
+def test_conv_bf16_weight_only_int8_any_geometry(case):
+  """A linen nn.Conv(dtype=bf16, param_dtype=bf16) with weight-only int8: strides,
+  explicit padding, dilation, feature groups, NCHW."""
+  geom, xs, ws = _geom(case)
+  x = jnp.asarray(_rand(xs, 51), jnp.bfloat16)
+  w = jnp.asarray(_rand(ws, 52, 0.3), jnp.bfloat16)
+  check_conv_against_float64(x, w, geom, None, OQ(qtype="int8"))
+
+
+@pytest.mark.parametrize("side", ["lhs", "rhs"])
+@pytest.mark.parametrize("magnitude", [1e5, 1e-9])
+def test_conv_float32_quantized_times_float16_extreme_but_finite(side, magnitude):
+  """A float32 operand of magnitude 1e5 or 1e-9, quantized, convolved with a
+  float16 one (up to 6e4 against 1e5): finite, nonzero, within the float32 budget."""
+  geom, xs, ws = _geom("nhwc_same_int8")
+  rng = np.random.default_rng(8)
+  big = lambda shape, m: (rng.uniform(0.5, 1.0, shape) * rng.choice([-1, 1], shape) * m)
+  other = 6e4 if magnitude > 1 else 1.0
+  if side == "lhs":
+    x, w = jnp.asarray(big(xs, magnitude), jnp.float32), jnp.asarray(big(ws, other), jnp.float16)
+  else:
+    x, w = jnp.asarray(big(xs, other), jnp.float16), jnp.asarray(big(ws, magnitude), jnp.float32)
+  oq = OQ(qtype="int8")
+  # Gradients into the float16 operand stay finite: cotangents scaled down for 1e5.
+  out = check_conv_against_float64(x, w, geom, oq if side == "lhs" else None,
+                                   oq if side == "rhs" else None,
+                                   ct_scale=2.0 ** -10 if magnitude > 1 else 1.0)
+  assert np.count_nonzero(np.asarray(out)) > 0.9 * out.size
+
+
+def test_conv_rejects_non_float_operands_and_output_as_dot_general_qt_does():
+  x, w = jnp.ones((1, 4, 4, 2)), jnp.ones((3, 3, 2, 2))
+  cfg = _cfg(None, OQ(qtype="int8"))
+  conv = lambda x, w, **kw: conv_general_qt(x, w, (1, 1), "SAME", dimension_numbers=NHWC,
+                                            config=cfg, **kw)
+  dense = lambda x, w, **kw: dot_general_qt(x, w, (((1,), (0,)), ((), ())),
+                                            C.DotGeneralQtConfig(rhs=OQ(qtype="int8")), **kw)
+  for op, a, b in ((conv, x, w), (dense, x[0, 0], w[0, 0])):
+    msgs = []
+    for args, kw in (((a.astype(jnp.int32), b), {}), ((a, b.astype(jnp.int8)), {}),
+                     ((a, b), dict(preferred_element_type=jnp.int32))):
+      with pytest.raises(ValueError) as e:
+        op(*args, **kw)
+      msgs.append(str(e.value))
+    assert "lhs must be a float array, got dtype int32" in msgs[0]
+    assert "rhs must be a float array, got dtype int8" in msgs[1]
+    assert "preferred_element_type=int32 must be a float dtype" in msgs[2]
+
+
+@pytest.mark.parametrize("xs,ws", [((0, 5, 5, 4), (3, 3, 4, 6)), ((2, 5, 5, 0), (3, 3, 0, 6)),
+                                   ((2, 5, 5, 4), (3, 3, 4, 0))])
+@pytest.mark.parametrize("qs", [("int8", "int8"), (None, "int8"), ("float8_e4m3fn", None)])
+def test_conv_empty_operands_give_lax_results(xs, ws, qs):
+  """An empty batch (and zero input / output features): zeros shaped like the lax
+  op's output, zero / empty gradients of each operand's shape and dtype."""
+  gq = C.GradQuant(qtype="int8", stochastic_rounding="uniform")
+  cfg = C.ConvGeneralQtConfig(lhs=qs[0] and OQ(qtype=qs[0]), rhs=qs[1] and OQ(qtype=qs[1]),
+                              dlhs_grad=gq, drhs_grad=gq)
+  x, w = jnp.ones(xs, jnp.bfloat16), jnp.ones(ws, jnp.float32)
+  # (lax's convolution takes one dtype: the float32 one gives the shape and values.)
+  want = jax.lax.conv_general_dilated(x.astype(jnp.float32), w, (1, 1), "SAME", dimension_numbers=NHWC)
+
+  @jax.jit
+  def run(x, w, key):
+    f = lambda x, w: conv_general_qt(x, w, (1, 1), "SAME", dimension_numbers=NHWC, config=cfg, key=key)
+    out, vjp = jax.vjp(f, x, w)
+    return (out, *vjp(jnp.ones(out.shape, out.dtype)))
+
+  out, gx, gw = run(x, w, jax.random.key(0))
+  assert (out.shape, out.dtype) == (want.shape, want.dtype)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+  assert (gx.shape, gx.dtype, gw.shape, gw.dtype) == (xs, x.dtype, ws, w.dtype)
+  assert not np.any(np.asarray(gx, np.float32)) and not np.any(np.asarray(gw, np.float32))
+
+
+def test_conv_bad_geometry_raises_naming_the_field():
+  x, w = jnp.ones((2, 5, 5, 3)), jnp.ones((3, 3, 3, 4))
+  cfg = _cfg(OQ(qtype="int8"), OQ(qtype="int8"))
+  conv = lambda **kw: conv_general_qt(x, **{"rhs": w, "window_strides": (1, 1), "padding": "SAME",
+                                            "dimension_numbers": NHWC, "config": cfg, **kw})
+  with pytest.raises(ValueError, match=r"rhs_dilation=\(1,\) must hold 2 positive ints"):
+    conv(rhs_dilation=(1,))
+  with pytest.raises(ValueError, match=r"lhs_dilation=\(1, 0\) must hold 2 positive ints"):
+    conv(lhs_dilation=(1, 0))
+  # lax's own checks run before anything is quantized.
+  with pytest.raises(ValueError, match="feature dimension"):
+    conv(rhs=jnp.ones((3, 3, 2, 4)))
+  with pytest.raises(TypeError, match="dimension_numbers"):
+    conv(dimension_numbers=("NHWC", "HWIX", "NHWC"))

@@ -110,26 +110,39 @@ def elem_budget(x, q):
   return s / 2 + 2.0 ** -21 * np.abs(x)
 
 
-def np_dot(a, b, dn):
-  """float64 dot_general through jax's semantics (numpy einsum)."""
+def _letters(a_ndim, b_ndim, dn):
+  """einsum subscripts (lhs, rhs, out) of dot_general(a, b, dn) in jax's semantics."""
   (lc, rc), (lb, rb) = dn
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   letters = iter("abcdefghijklmnop")
-  la = [None] * a.ndim
-  ra = [None] * b.ndim
+  la = [None] * a_ndim
+  ra = [None] * b_ndim
   for i, j in zip(lb, rb):
     la[i] = ra[j] = next(letters)
   for i, j in zip(lc, rc):
     la[i] = ra[j] = next(letters)
-  for i in range(a.ndim):
+  for i in range(a_ndim):
     if la[i] is None:
       la[i] = next(letters)
-  for j in range(b.ndim):
+  for j in range(b_ndim):
     if ra[j] is None:
       ra[j] = next(letters)
-  out = [la[i] for i in lb] + [la[i] for i in range(a.ndim) if i not in lb and i not in lc] + \
-        [ra[j] for j in range(b.ndim) if j not in rb and j not in rc]
-  return np.einsum(f"{''.join(la)},{''.join(ra)}->{''.join(out)}", a, b)
+  out = [la[i] for i in lb] + [la[i] for i in range(a_ndim) if i not in lb and i not in lc] + \
+        [ra[j] for j in range(b_ndim) if j not in rb and j not in rc]
+  return "".join(la), "".join(ra), "".join(out)
+
+
+def np_dot(a, b, dn):
+  """float64 dot_general through jax's semantics (numpy einsum)."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  la, ra, out = _letters(a.ndim, b.ndim, dn)
+  return np.einsum(f"{la},{ra}->{out}", a, b)
+
+
+def np_dot_vjp(ct, a, b, dn):
+  """float64 (d lhs, d rhs) of sum(ct * dot_general(a, b, dn))."""
+  ct, a, b = (np.asarray(v, np.float64) for v in (ct, a, b))
+  la, ra, out = _letters(a.ndim, b.ndim, dn)
+  return np.einsum(f"{out},{ra}->{la}", ct, b), np.einsum(f"{out},{la}->{ra}", ct, a)
 
 
 def _cfg(lhs, rhs, dlhs=None, drhs=None):
@@ -655,3 +668,262 @@ def test_stochastic_rounding_keys_of_any_prng_implementation(impl):
   assert not np.array_equal(np.asarray(g1), np.asarray(g2))             # different key, different noise
   ref = np.ones((16, 8)) @ np.asarray(w, np.float64).T                  # the float gradient
   assert np.linalg.norm(np.asarray(g1) - ref) / np.linalg.norm(ref) < 0.05
+
+
+# ----------------------------------------------------------------------------
+# Dtype policy (qtrain.core.qt_operand): float dtype pairs x quantized sides,
+# forward and gradients vs float64.
+#
+# Reference: float64 products of the dequantized operands (q * s, exact in
+# float64) and of the float operands. Budget per output element, from the
+# dtype c the product runs in (promote_types(lhs.dtype, rhs.dtype) with a
+# float side; float32 for two quantized sides the exact paths do not serve):
+#   * a quantized side dequantized into c rounds each value v by at most
+#     u_c |v| + eta_c (unit roundoff; half the smallest subnormal step), so
+#     the output by u_c (|a|.|b|) + eta_c (1.|other side|); a float side cast
+#     up to c, int8 -> int32 and fp8 x fp8 products round nothing;
+#   * float32 accumulation of K terms, one float32 rounding of each product
+#     (bf16 and f16 products are exact) and the two float32 scalings of the
+#     quantized epilogue: (K + 3) 2^-24 (|a|.|b|);
+#   * the cast to the output dtype o: u_o (|ref| + E) + eta_o.
+# Gradients (float backward, STE): the same, with the cotangent as the float
+# side (its values, multiples of 1/4 in [-1, 1], are exact in every dtype),
+# c' = promote_types(o, the other operand's dtype), K' = the terms each
+# gradient element sums, and the operand's own dtype as o.
+
+_DT = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
+
+
+def _rounding(dtype):
+  """(u, eta): rounding into ``dtype`` errs by <= u |v| + eta."""
+  fi = jnp.finfo(dtype)
+  return 2.0 ** -(fi.nmant + 1), 2.0 ** (fi.minexp - fi.nmant - 1)
+
+
+def _deq64(q):
+  """A QArray's dequantized values, exactly, in float64."""
+  v = np.asarray(q.qvalue.astype(jnp.float32), np.float64)
+  if q.zero_point is not None:
+    v = v - np.asarray(qarray.expand_scale(q.zero_point, q.shape), np.float64)
+  return v * np.asarray(qarray.expand_scale(q.scale, q.shape), np.float64)
+
+
+def _budget(a_abs, n_terms, ref, out_dtype, rounded=()):
+  """The budget above; ``rounded``: (dtype, u-weight, eta-weight) per dequantized
+  side that is rounded into a float dtype (u-weight = |a|.|b|, eta-weight = 1.|other|)."""
+  e = (n_terms + 3) * 2.0 ** -24 * a_abs
+  for dtype, uw, ew in rounded:
+    u, eta = _rounding(dtype)
+    e = e + u * uw + eta * ew
+  uo, eo = _rounding(out_dtype)
+  return e + uo * (np.abs(ref) + e) + eo
+
+
+@functools.partial(jax.jit, static_argnames=("dn", "cfg"))
+def _fwd_vjp(x, w, ct, dn, cfg):
+  """(out, d lhs, d rhs, lhs QArray, rhs QArray): the op and the reference
+  quantization (documented spec) in one program."""
+  (lc, rc), (lb, rb) = dn
+  out, vjp = jax.vjp(lambda x, w: dot_general_qt(x, w, dn, cfg), x, w)
+  q = lambda v, oq, c, b: oq and qarray.quantize(v, ref_spec(oq, v.ndim, c, b))
+  return (out, *vjp(ct.astype(out.dtype)), q(x, cfg.lhs, lc, lb), q(w, cfg.rhs, rc, rb))
+
+
+def _same_family(lq, rq):
+  return lq.qtype.is_float == rq.qtype.is_float
+
+
+def check_against_float64(x, w, dn, lq, rq, *, impl="auto", seed=0, ct_scale=1.0):
+  """Runs forward + VJP once (one jit) and checks dtypes and the budgets above."""
+  (lc, rc), (lb, rb) = dn
+  ld, rd = x.dtype, w.dtype
+  o = jnp.result_type(ld, rd)
+  c = jnp.promote_types(ld, rd)
+  out_shape = np_dot(np.zeros(x.shape), np.zeros(w.shape), dn).shape
+  ct = np.random.default_rng(seed).integers(-4, 5, out_shape) * 0.25 * ct_scale
+  cfg = C.DotGeneralQtConfig(lhs=lq, rhs=rq, implementation=impl)
+  out, gx, gw, xq, wq = _fwd_vjp(x, w, jnp.asarray(ct, o), dn, cfg)
+  assert (out.dtype, gx.dtype, gw.dtype) == (o, ld, rd)
+  assert out.shape == out_shape and gx.shape == x.shape and gw.shape == w.shape
+  xh = _deq64(xq) if lq else np.asarray(x, np.float64)
+  wh = _deq64(wq) if rq else np.asarray(w, np.float64)
+  ax, aw = np.abs(xh), np.abs(wh)
+  k = int(np.prod([x.shape[a] for a in lc]))
+  # Forward.
+  ref = np_dot(xh, wh, dn)
+  a_abs = np_dot(ax, aw, dn)
+  if lq and rq:
+    rounded = [] if _same_family(lq, rq) else [(jnp.float32, 2 * a_abs, 0 * a_abs)]
+  elif lq:
+    rounded = [(c, a_abs, np_dot(np.ones_like(ax), aw, dn))]
+  else:
+    rounded = [(c, a_abs, np_dot(ax, np.ones_like(aw), dn))]
+  err = np.abs(np.asarray(out, np.float64) - ref)
+  bound = _budget(a_abs, k, ref, o, rounded)
+  assert np.all(np.isfinite(np.asarray(out, np.float64)))
+  assert np.all(err <= bound), np.max(err / bound)
+  # Gradients: the other side's residual, dequantized into promote_types(o, its dtype).
+  rx, rw = np_dot_vjp(ct, xh, wh, dn)
+  gax, _ = np_dot_vjp(np.abs(ct), ax, aw, dn)
+  _, gaw = np_dot_vjp(np.abs(ct), ax, aw, dn)
+  nx = int(np.prod([w.shape[a] for a in qdot_lib.free_axes(w.ndim, rc, rb)]))
+  nw = int(np.prod([x.shape[a] for a in qdot_lib.free_axes(x.ndim, lc, lb)]))
+  rounded_x = [(jnp.promote_types(o, rd), gax,
+                np_dot_vjp(np.abs(ct), ax, np.ones_like(aw), dn)[0])] if rq else []
+  rounded_w = [(jnp.promote_types(o, ld), gaw,
+                np_dot_vjp(np.abs(ct), np.ones_like(ax), aw, dn)[1])] if lq else []
+  for g, r, a, n, rd_, dt in ((gx, rx, gax, nx, rounded_x, ld), (gw, rw, gaw, nw, rounded_w, rd)):
+    err = np.abs(np.asarray(g, np.float64) - r)
+    bound = _budget(a, n, r, dt, rd_)
+    assert np.all(err <= bound), np.max(err / bound)
+  return out
+
+
+# The layout where XLA's CPU runtime rejects a bf16 x bf16 -> f32 dot
+# (lhs (6, 9) contracting axis 0, rhs (5, 6, 3) contracting axis 1), and one
+# whose batch axis is not leading (the same failure).
+POLICY_LAYOUTS = dict(LAYOUTS, **{
+    "km,akb": ((((0,), (1,)), ((), ())), (6, 9), (5, 6, 3)),
+    "nbk,bkl": ((((2,), (1,)), ((1,), (0,))), (4, 2, 8), (2, 8, 5)),
+})
+
+_QS = ("int8", "int4", "binary", "float8_e4m3fn", "float8_e5m2")
+_ALL_PAIRS = [(a, b) for a in _DT for b in _DT]
+POLICY_CASES = (
+    # int8 on either side under every float dtype pair (mixed included).
+    [(p, "int8", None) for p in _ALL_PAIRS] + [(p, None, "int8") for p in _ALL_PAIRS] +
+    # every qtype on either side: bf16 x bf16 and a float32-quantized side x float16.
+    [(p, q, None) for q in _QS[1:] for p in (("bf16", "bf16"), ("f32", "f16"))] +
+    [(p, None, q) for q in _QS[1:] for p in (("bf16", "bf16"), ("f16", "f32"))] +
+    # both sides quantized: same kinds, mixed fp8 kinds, integer x fp8.
+    [(p, lq, rq) for lq, rq in (("int8", "int8"), ("float8_e4m3fn", "float8_e4m3fn"),
+                                ("float8_e5m2", "float8_e4m3fn"), ("float8_e4m3fn", "float8_e5m2"),
+                                ("int8", "float8_e4m3fn"), ("binary", "int4"))
+     for p in (("bf16", "bf16"), ("f16", "f32"))])
+
+
+@pytest.mark.parametrize("dtypes,lq,rq", POLICY_CASES)
+def test_dtype_policy_vs_float64(dtypes, lq, rq):
+  dn, ls, rs = POLICY_LAYOUTS["km,akb"]
+  seed = zlib.crc32(f"{dtypes}/{lq}/{rq}".encode()) % 1000
+  x = jnp.asarray(_rand(ls, seed), _DT[dtypes[0]])
+  w = jnp.asarray(_rand(rs, seed + 1), _DT[dtypes[1]])
+  check_against_float64(x, w, dn, lq and OQ(qtype=lq), rq and OQ(qtype=rq), seed=seed)
+
+
+@pytest.mark.parametrize("layout", list(POLICY_LAYOUTS))
+@pytest.mark.parametrize("side", ["lhs", "rhs"])
+def test_bf16_times_quantized_bf16_every_layout(layout, side):
+  """bf16 x a bf16-quantized operand runs on the CPU for every layout (the
+  result is read back, so a runtime rejection of the dot cannot hide behind
+  asynchronous dispatch), within the bf16 budget."""
+  dn, ls, rs = POLICY_LAYOUTS[layout]
+  x = jnp.asarray(_rand(ls, 41), jnp.bfloat16)
+  w = jnp.asarray(_rand(rs, 42), jnp.bfloat16)
+  oq = OQ(qtype="int8")
+  check_against_float64(x, w, dn, oq if side == "lhs" else None, oq if side == "rhs" else None)
+
+
+def test_bf16_product_stays_bf16_and_float32_quantized_is_not_dequantized_into_float16():
+  dn, ls, rs = POLICY_LAYOUTS["mk,kn"]
+  oq = OQ(qtype="int8")
+  dots = lambda f, *a: [(tuple(str(v.aval.dtype) for v in e.invars), e.params["preferred_element_type"])
+                        for e in _all_eqns(jax.make_jaxpr(f)(*a).jaxpr) if e.primitive.name == "dot_general"]
+  # bf16 activations x a bf16-quantized weight: a bf16 x bf16 -> float32 dot,
+  # forward and backward (the GPU's fast path; the CPU lowering runs it in float32).
+  xb, wb = jnp.ones(ls, jnp.bfloat16), jnp.ones(rs, jnp.bfloat16)
+  f = lambda x, w: jax.vjp(lambda x, w: dot_general_qt(x, w, dn, _cfg(None, oq)), x, w)[1](
+      jnp.ones((ls[0], rs[1]), jnp.bfloat16))
+  found = dots(f, xb, wb)
+  assert (("bfloat16", "bfloat16"), jnp.float32) in found, found
+  # A float32-quantized operand x float16: no product reads float16 operands.
+  xh, wf = jnp.ones(ls, jnp.float16), jnp.ones(rs, jnp.float32)
+  for cfg in (_cfg(None, oq), _cfg(oq, None)):
+    g = lambda x, w: jax.vjp(lambda x, w: dot_general_qt(x, w, dn, cfg), x, w)[1](
+        jnp.ones((ls[0], rs[1]), jnp.float32))
+    found = dots(g, xh, wf)
+    assert found and all("float16" not in ins for ins, _ in found), found
+
+
+@pytest.mark.parametrize("side", ["lhs", "rhs"])
+@pytest.mark.parametrize("magnitude", [1e5, 1e-9])
+def test_float32_quantized_times_float16_extreme_but_finite(side, magnitude):
+  """A float32 operand of magnitude 1e5 (products of 4 terms ~2.4e10) or 1e-9,
+  quantized, times a float16 one of magnitude up to 6e4: finite, nonzero, within
+  the float32 budget (dequantized into float16 it gave inf or 0)."""
+  rng = np.random.default_rng(7)
+  q_side = (rng.uniform(0.5, 1.0, (3, 4)) * rng.choice([-1, 1], (3, 4)) * magnitude).astype(np.float32)
+  f_side = (rng.uniform(0.5, 1.0, (4, 2)) * rng.choice([-1, 1], (4, 2)) *
+            (6e4 if magnitude > 1 else 1.0)).astype(np.float16)
+  oq = OQ(qtype="int8")
+  # Gradients into the float16 side stay finite: cotangents scaled down for 1e5.
+  ct_scale = 2.0 ** -8 if magnitude > 1 else 1.0
+  if side == "lhs":
+    out = check_against_float64(jnp.asarray(q_side), jnp.asarray(f_side), (((1,), (0,)), ((), ())),
+                                oq, None, ct_scale=ct_scale)
+  else:
+    out = check_against_float64(jnp.asarray(f_side.T), jnp.asarray(q_side.T), (((1,), (0,)), ((), ())),
+                                None, oq, ct_scale=ct_scale)
+  assert np.all(np.abs(np.asarray(out)) > 0)
+
+
+# ----------------------------------------------------------------------------
+# Empty operands: zeros of lax.dot_general's output, zero / empty gradients.
+
+EMPTY_CASES = {
+    "M=0": ((((1,), (0,)), ((), ())), (0, 8), (8, 4)),
+    "K=0": ((((1,), (0,)), ((), ())), (4, 0), (0, 3)),
+    "N=0": ((((1,), (0,)), ((), ())), (4, 8), (8, 0)),
+    "batch=0": ((((2,), (1,)), ((0,), (0,))), (0, 4, 8), (0, 8, 3)),
+}
+
+
+@pytest.mark.parametrize("impl", ["auto", "xla", "interpret"])
+@pytest.mark.parametrize("case", list(EMPTY_CASES))
+@pytest.mark.parametrize("qs", [("int8", "int8"), (None, "int4"), ("float8_e4m3fn", None)])
+def test_empty_operands_give_lax_results(impl, case, qs):
+  dn, ls, rs = EMPTY_CASES[case]
+  gq = C.GradQuant(qtype="int8", stochastic_rounding="uniform")
+  cfg = C.DotGeneralQtConfig(lhs=qs[0] and OQ(qtype=qs[0]),
+                             rhs=qs[1] and OQ(qtype=qs[1]), dlhs_grad=gq, drhs_grad=gq,
+                             implementation=impl)
+  x, w = jnp.ones(ls, jnp.bfloat16), jnp.ones(rs, jnp.float32)
+  want = jax.lax.dot_general(x, w, dn)
+  ct = jnp.ones(want.shape, want.dtype)
+
+  @jax.jit
+  def run(x, w, key):
+    out, vjp = jax.vjp(lambda x, w: dot_general_qt(x, w, dn, cfg, key=key), x, w)
+    return (out, *vjp(ct))
+
+  out, gx, gw = run(x, w, jax.random.key(0))
+  assert (out.shape, out.dtype) == (want.shape, want.dtype)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+  assert (gx.shape, gx.dtype, gw.shape, gw.dtype) == (ls, x.dtype, rs, w.dtype)
+  assert not np.any(np.asarray(gx, np.float32)) and not np.any(np.asarray(gw, np.float32))
+
+
+# ----------------------------------------------------------------------------
+# Dimension numbers: rejected before any work, naming the axes.
+
+BAD_DIMS = [
+    ((((1, 1), (0, 0)), ((), ())), (4, 4), (4, 4), r"lhs contracting axes \(1, 1\) repeat"),
+    ((((1, -1), (0, 1)), ((), ())), (4, 4), (4, 4), r"lhs contracting axes \(1, -1\) repeat"),
+    ((((2,), (1,)), ((0, 0), (0, 0))), (2, 3, 4), (2, 4, 5), r"lhs batch axes \(0, 0\) repeat"),
+    ((((1,), (1,)), ((1,), (0,))), (3, 4), (3, 4), r"lhs axes \[1\] are both contracting and batch"),
+    ((((1,), (0, 1)), ((), ())), (3, 4), (4, 4), r"lhs has 1 contracting axes, rhs 2"),
+    ((((1,), (0,)), ((0,), ())), (3, 4), (4, 5), r"lhs has 1 batch axes, rhs 0"),
+    ((((1,), (0,)), ((), ())), (3, 4), (5, 6), r"contracting axes lhs 1 \(size 4\) and rhs 0 \(size 5\)"),
+    ((((2,), (1,)), ((0,), (0,))), (2, 3, 4), (3, 4, 5), r"batch axes lhs 0 \(size 2\) and rhs 0 \(size 3\)"),
+    ((((2,), (0,)), ((), ())), (3, 4), (4, 5), r"lhs contracting axis 2 is out of range for lhs of rank 2"),
+    ((((1.5,), (0,)), ((), ())), (3, 4), (4, 5), r"with int axes"),
+]
+
+
+@pytest.mark.parametrize("dn,ls,rs,msg", BAD_DIMS)
+def test_bad_dimension_numbers_raise_naming_the_axes(dn, ls, rs, msg):
+  cfg = _cfg(OQ(qtype="int8"), OQ(qtype="int8"))
+  with pytest.raises(ValueError, match=r"dimension_numbers=.*" + msg):
+    dot_general_qt(jnp.ones(ls), jnp.ones(rs), dn, cfg)
+  with pytest.raises(ValueError, match=msg):
+    qdot_lib.normalize_dimension_numbers(dn, len(ls), len(rs), lhs_shape=ls, rhs_shape=rs)

@@ -14,6 +14,16 @@ dequantized residuals, with the incoming gradient fake-quantized per
 ``dlhs_grad`` / ``drhs_grad`` (stochastic rounding included): the numbers of
 a quantized backward, computed in float32 (a transposed convolution's
 contraction does not factor per-channel scales the way a matmul's does).
+A residual is dequantized into the dtype the forward multiplied it in, so the
+backward differentiates the product the forward computed.
+
+Dtypes follow the policy of :mod:`qtrain.core.qt_operand`, as
+:func:`~qtrain.core.dot_general_qt.dot_general_qt` does: the output is
+``preferred_element_type`` or ``result_type(lhs, rhs)``; a float operand times
+a quantized one convolves in ``promote_types(lhs.dtype, rhs.dtype)`` (weight-only
+int8 under a bf16 ``nn.Conv`` is a bf16 convolution accumulated in float32);
+two quantized operands convolve exactly (int8 -> int32, fp8 -> float32, mixed
+fp8 kinds included); gradients come back in each operand's dtype.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -53,8 +63,10 @@ def _conv(lhs, rhs, p, preferred_element_type):
 def _low_precision_conv(a, b, p, *, is_float: bool, backend: str | None = None) -> jax.Array:
   """Convolution of quantized values, accumulated exactly, as float32.
 
-  On the CPU: int8 x int8 -> int32 (fp8 x fp8 -> f32) in XLA. XLA's GPU
-  backend cannot lower integer (or fp8) convolutions, so elsewhere the
+  On the CPU: int8 x int8 -> int32 (fp8 x fp8 -> f32) in XLA; two fp8 kinds
+  (e4m3fn x e5m2), which XLA's convolution does not mix, are convolved as
+  float32 (every fp8 value, and every product of two, is exact in float32).
+  XLA's GPU backend cannot lower integer (or fp8) convolutions, so elsewhere the
   quantized values are convolved as float32 at HIGHEST precision: every
   product of int8 values is exact in float32, and so is the sum while it stays
   below 2**24 in magnitude (guaranteed for windows of up to 1040 int8 x int8
@@ -64,18 +76,38 @@ def _low_precision_conv(a, b, p, *, is_float: bool, backend: str | None = None) 
   p = dict(p, precision=None)
   a, b = _lax.optimization_barrier((a, b))
   if (backend or jax.default_backend()) == "cpu":
+    if a.dtype != b.dtype:
+      a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return _conv(a, b, p, jnp.float32 if is_float else jnp.int32).astype(jnp.float32)
   p["precision"] = jax.lax.Precision.HIGHEST
   return _conv(a.astype(jnp.float32), b.astype(jnp.float32), p, jnp.float32)
 
 
-def quantized_conv(lq, rq, p, out_dtype):
+def operand_dtype(lq, rq, compute_dtype=None) -> jnp.dtype:
+  """The dtype :func:`quantized_conv`'s float path brings both operands to:
+  float32 for two QArrays; else ``compute_dtype`` (default: the float side's
+  dtype, ``promote_types`` of two float sides)."""
+  if qdot.is_quantized(lq) and qdot.is_quantized(rq):
+    return jnp.dtype(jnp.float32)
+  if compute_dtype is not None:
+    return jnp.dtype(compute_dtype)
+  floats = [x.dtype for x in (lq, rq) if not qdot.is_quantized(x)]
+  return jnp.dtype(jnp.promote_types(*floats) if len(floats) == 2 else floats[0])
+
+
+def _as_dtype(x, dtype):
+  return x.dequantize(dtype) if qdot.is_quantized(x) else x.astype(dtype)
+
+
+def quantized_conv(lq, rq, p, out_dtype, compute_dtype=None):
   """Convolution over QArray/float operands (``p``: the conv's static parameters).
 
   Exact low-precision arithmetic where both operands are quantized and their
   scales factor out (input per batch element, kernel per output feature);
-  otherwise the dequantized operands in float32. :mod:`qtrain.freeze` calls it
-  so frozen inference reproduces training's arithmetic.
+  otherwise both operands in :func:`operand_dtype` (two QArrays: float32; a
+  float side: ``compute_dtype``, the quantized side dequantized into it),
+  accumulated in float32. :mod:`qtrain.freeze` calls it so frozen inference
+  reproduces training's arithmetic.
   """
   lhs_spec, rhs_spec, out_spec = p["dn"]
   both = qdot.is_quantized(lq) and qdot.is_quantized(rq)
@@ -98,9 +130,9 @@ def quantized_conv(lq, rq, p, out_dtype):
     ls = to_out(lq.scale, lhs_spec[0], out_spec[0])
     rs = to_out(rq.scale, rhs_spec[0], out_spec[1])
     return (acc * ls * rs).astype(out_dtype)
-  lf = lq.dequantize(jnp.float32) if qdot.is_quantized(lq) else lq
-  rf = rq.dequantize(jnp.float32) if qdot.is_quantized(rq) else rq
-  if p["precision"] is None:
+  dtype = operand_dtype(lq, rq, compute_dtype)
+  lf, rf = _as_dtype(lq, dtype), _as_dtype(rq, dtype)
+  if p["precision"] is None and dtype == jnp.float32:
     p = dict(p, precision=jax.lax.Precision.HIGHEST)  # float32 math, not TF32 on GPUs
   return _conv(lf, rf, p, jnp.float32).astype(out_dtype)
 
@@ -111,7 +143,8 @@ def _forward(lhs, rhs, lhs_scale, rhs_scale, p, config, out_dtype):
   lhs_channels = (lhs_spec[0],) if p["batch_group_count"] == 1 else ()
   lres = dqt.quantize_operand(lhs, config.lhs, lhs_scale, lhs_channels, None, "lhs")
   rres = dqt.quantize_operand(rhs, config.rhs, rhs_scale, (rhs_spec[0],), None, "rhs")
-  return quantized_conv(lres.value, rres.value, p, out_dtype), (lres, rres)
+  ctype = dqt.compute_dtype(lhs.dtype, rhs.dtype)
+  return quantized_conv(lres.value, rres.value, p, out_dtype, ctype), (lres, rres)
 
 
 def _fake_grad(g, gq, key, channel_axes):
@@ -135,8 +168,12 @@ def _bwd(p, config, out_dtype, meta, res, g):
   ldtype, rdtype = meta
   _, _, out_spec = p["dn"]
   k_l, k_r = dqt.split_key(kd, 2)
-  lf = lres.value.dequantize(jnp.float32) if qdot.is_quantized(lres.value) else lres.value.astype(jnp.float32)
-  rf = rres.value.dequantize(jnp.float32) if qdot.is_quantized(rres.value) else rres.value.astype(jnp.float32)
+  # The values the forward multiplied (quantized_conv's float path rounds a
+  # dequantized operand into the compute dtype; its exact path is float32-exact),
+  # then float32 math.
+  fwd_dtype = operand_dtype(lres.value, rres.value, dqt.compute_dtype(ldtype, rdtype))
+  lf = _as_dtype(lres.value, fwd_dtype).astype(jnp.float32)
+  rf = _as_dtype(rres.value, fwd_dtype).astype(jnp.float32)
   # dlhs: per-batch-element gradient scales; drhs: per-output-feature.
   g_l = _fake_grad(g, config.dlhs_grad, k_l, (out_spec[0],))
   g_r = _fake_grad(g, config.drhs_grad, k_r, (out_spec[1],))
@@ -185,21 +222,45 @@ def conv_general_qt(
     config: a :class:`~qtrain.core.config.ConvGeneralQtConfig`.
     key: PRNG key for stochastic rounding of gradients.
     lhs_scale, rhs_scale: optional static or learned scales.
+
+  The arguments are checked as :func:`jax.lax.conv_general_dilated` checks
+  them (shapes, layouts, feature counts), before anything is quantized. An
+  operand with no elements (an empty batch, zero features) gives zeros of the
+  output shape, as the lax op does, and zero (or empty) gradients.
+
+  Raises:
+    ValueError: for a bad config (naming the field), non-float operands or
+      ``preferred_element_type``; lax's own errors for bad conv arguments.
   """
   if not isinstance(config, cfg_lib.ConvGeneralQtConfig):
     raise ValueError(f"config must be a ConvGeneralQtConfig, got {type(config).__name__}")
+  out_dtype = dqt.check_operands(lhs, rhs, preferred_element_type)
   if config.needs_key and key is None:
     raise ValueError("config asks for stochastic_rounding in dlhs_grad/drhs_grad: pass key=")
   nsp = jnp.ndim(lhs) - 2
   dn = jax.lax.conv_dimension_numbers(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
+  # lax checks window_strides' length but not the dilations' (a verifier
+  # error at lowering): one entry per spatial dimension, each >= 1.
+  for name, v in (("window_strides", window_strides), ("lhs_dilation", lhs_dilation),
+                  ("rhs_dilation", rhs_dilation)):
+    if v is not None and (len(v) != nsp or any(int(d) < 1 for d in v)):
+      raise ValueError(f"{name}={tuple(v)!r} must hold {nsp} positive ints (one per spatial "
+                       f"dimension of lhs {tuple(jnp.shape(lhs))})")
   p = dict(
       window_strides=tuple(window_strides), padding=_hashable_padding(padding),
       lhs_dilation=tuple(lhs_dilation) if lhs_dilation else (1,) * nsp,
       rhs_dilation=tuple(rhs_dilation) if rhs_dilation else (1,) * nsp,
       dn=dn, feature_group_count=int(feature_group_count), batch_group_count=int(batch_group_count),
       precision=precision)
-  out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None
-                        else jnp.result_type(lhs, rhs))
+  # lax's checks (and the output shape) on abstract float32 operands.
+  out_shape = jax.eval_shape(
+      lambda a, b: _conv(a, b, p, None),
+      jax.ShapeDtypeStruct(jnp.shape(lhs), jnp.float32),
+      jax.ShapeDtypeStruct(jnp.shape(rhs), jnp.float32)).shape
+  dqt.check_given_scale(config.lhs, lhs_scale, "lhs")
+  dqt.check_given_scale(config.rhs, rhs_scale, "rhs")
+  if jnp.size(lhs) == 0 or jnp.size(rhs) == 0:
+    return jnp.zeros(out_shape, out_dtype)
   return _conv_qt(lhs, rhs, lhs_scale, rhs_scale, dqt.as_key(key), _Static(p), config, out_dtype,
                   (jnp.result_type(lhs), jnp.result_type(rhs)))
 

@@ -43,11 +43,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qtrain.core import _lax
 from qtrain.core import config as cfg_lib
 from qtrain.core import qarray as qa
 from qtrain.core import qdot
-from qtrain.core.qt_operand import (as_key, finish_operand_grad, quantize_grad, quantize_operand,
+from qtrain.core.qt_operand import (as_key, check_given_scale, check_operands, compute_dtype,
+                                    finish_operand_grad, quantize_grad, quantize_operand,
                                     split_key)
 
 
@@ -107,10 +107,12 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
 
 
 def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, key,
-                     implementation: str, x_shape, out_dtype=jnp.float32):
+                     implementation: str, x_shape, out_dtype=jnp.float32, y_dtype=None):
   """``x_bar`` for one operand: quantize g (folding y's scale), dot, transpose.
   ``out_dtype``: the product's dtype (float32, or the operand's own dtype where
-  nothing but a cast follows: the same numbers, half the bytes for bf16)."""
+  nothing but a cast follows: the same numbers, half the bytes for bf16).
+  ``y_dtype``: the dtype ``y`` had before it was quantized (default: float32):
+  a product with a float side runs in ``promote_types(g.dtype, y_dtype)``."""
   from qtrain.pallas import dispatch  # the kernels' seam
 
   dims, perm, g_free = transpose_dims(dn_x_first, x_ndim, y_res.ndim, swap_ans=swap_ans)
@@ -125,8 +127,9 @@ def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, k
     g_in = quantize_grad(g_in, gq, g_free, key)
   else:
     y_in = y_res
+  ctype = compute_dtype(g.dtype, y_dtype if y_dtype is not None else jnp.float32)
   r = dispatch.quantized_dot_general(g_in, y_in, dims, preferred_element_type=out_dtype,
-                                     implementation=implementation)
+                                     implementation=implementation, compute_dtype=ctype)
   return jnp.transpose(r, perm).reshape(x_shape)
 
 
@@ -147,10 +150,11 @@ def _forward(lhs, rhs, lhs_scale, rhs_scale, dn, config, precision, out_dtype):
   rres = quantize_operand(rhs, config.rhs, rhs_scale, _channel_axes(rhs.ndim, rc, rb),
                           rc[-1] if rc else None, "rhs")
   if config.lhs is None and config.rhs is None:
-    out = _lax.dot_general(lhs, rhs, dn, precision=precision, preferred_element_type=out_dtype)
+    out = qdot.float_dot_general(lhs, rhs, dn, precision=precision, preferred_element_type=out_dtype)
   else:
     out = dispatch.quantized_dot_general(lres.value, rres.value, dn, preferred_element_type=out_dtype,
-                                         implementation=config.implementation)
+                                         implementation=config.implementation,
+                                         compute_dtype=compute_dtype(lhs.dtype, rhs.dtype))
   return out, (lres, rres)
 
 
@@ -176,10 +180,10 @@ def _bwd(dn, config, precision, out_dtype, shapes, res, g):
                                   and jnp.issubdtype(dtype, jnp.floating) else jnp.float32)
   lhs_bar = backward_product(g, rres.value, dn, len(lshape), swap_ans=False, gq=config.dlhs_grad,
                              key=k_l, implementation=config.implementation, x_shape=lshape,
-                             out_dtype=bar_dtype(lres, ldtype))
+                             out_dtype=bar_dtype(lres, ldtype), y_dtype=rdtype)
   rhs_bar = backward_product(g, lres.value, ((rc, lc), (rb, lb)), len(rshape), swap_ans=True,
                              gq=config.drhs_grad, key=k_r, implementation=config.implementation,
-                             x_shape=rshape, out_dtype=bar_dtype(rres, rdtype))
+                             x_shape=rshape, out_dtype=bar_dtype(rres, rdtype), y_dtype=ldtype)
   lhs_bar, ls_bar = finish_operand_grad(lhs_bar, lres, config.lhs, ldtype)
   rhs_bar, rs_bar = finish_operand_grad(rhs_bar, rres, config.rhs, rdtype)
   return lhs_bar, rhs_bar, ls_bar, rs_bar, None
@@ -202,9 +206,24 @@ def dot_general_qt(
 ) -> jax.Array:
   """Quantized-training ``jax.lax.dot_general``.
 
+  Dtypes (:mod:`qtrain.core.qt_operand` states the policy once for both QT
+  ops): the output is ``preferred_element_type`` or ``result_type(lhs, rhs)``;
+  a float operand times a quantized one runs in ``promote_types(lhs.dtype,
+  rhs.dtype)`` (bf16 x a bf16-quantized weight stays a bf16 product with
+  float32 accumulation; a float32-quantized operand times float16 computes
+  in float32); two quantized operands run int8 x int8 -> int32 or fp8 x fp8
+  -> float32 (mixed fp8 kinds too), integer x fp8 in float32. The backward
+  products follow the same rule with the incoming gradient as the float
+  side; gradients come back in each operand's dtype.
+
+  An operand with no elements (M, N or K = 0) gives zeros of the output
+  shape, as :func:`jax.lax.dot_general` does, and zero (or empty) gradients:
+  nothing is quantized and no kernel runs, whatever ``implementation`` says.
+
   Args:
     lhs, rhs: float operands.
-    dimension_numbers: as for :func:`jax.lax.dot_general` (batch axes too).
+    dimension_numbers: as for :func:`jax.lax.dot_general` (batch axes too);
+      validated up front (distinct axes, matching counts and sizes).
     config: a :class:`~qtrain.core.config.DotGeneralQtConfig`.
     precision: used by float products (an unquantized op).
     preferred_element_type: the output dtype (default: the operands' result
@@ -218,14 +237,15 @@ def dot_general_qt(
     ``dot_general(lhs, rhs)`` computed with quantized operands.
 
   Raises:
-    ValueError: on a config that cannot be honoured (the message names the field).
+    ValueError: on a config that cannot be honoured (the message names the
+      field), non-float operands or ``preferred_element_type``, or invalid
+      dimension numbers.
   """
   if not isinstance(config, cfg_lib.DotGeneralQtConfig):
     raise ValueError(f"config must be a DotGeneralQtConfig, got {type(config).__name__}")
-  for name, v in (("lhs", lhs), ("rhs", rhs)):
-    if not jnp.issubdtype(jnp.result_type(v), jnp.floating):
-      raise ValueError(f"{name} must be a float array, got dtype {jnp.result_type(v)}")
-  dn = qdot.normalize_dimension_numbers(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
+  out_dtype = check_operands(lhs, rhs, preferred_element_type)
+  dn = qdot.normalize_dimension_numbers(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs),
+                                        lhs_shape=jnp.shape(lhs), rhs_shape=jnp.shape(rhs))
   if config.needs_key and key is None:
     raise ValueError("config asks for stochastic_rounding in dlhs_grad/drhs_grad: pass key=")
   for name, oq, x, c in (("lhs", config.lhs, lhs, dn[0][0]), ("rhs", config.rhs, rhs, dn[0][1])):
@@ -236,10 +256,10 @@ def dot_general_qt(
       if n % oq.tile_size:
         raise ValueError(f"config.{name}.tile_size={oq.tile_size} does not divide the contracting "
                          f"axis of size {n} (shape {jnp.shape(x)})")
-  out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None
-                        else jnp.result_type(lhs, rhs))
-  if not jnp.issubdtype(out_dtype, jnp.floating):
-    raise ValueError(f"preferred_element_type={out_dtype} must be a float dtype for a QT op")
+  check_given_scale(config.lhs, lhs_scale, "lhs")
+  check_given_scale(config.rhs, rhs_scale, "rhs")
+  if jnp.size(lhs) == 0 or jnp.size(rhs) == 0:
+    return jnp.zeros(qdot.output_shape(jnp.shape(lhs), jnp.shape(rhs), dn), out_dtype)
   shapes = (tuple(jnp.shape(lhs)), tuple(jnp.shape(rhs)), jnp.result_type(lhs), jnp.result_type(rhs))
   return _dot_general_qt(lhs, rhs, lhs_scale, rhs_scale, as_key(key), dn, config, precision,
                          out_dtype, shapes)

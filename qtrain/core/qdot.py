@@ -6,14 +6,18 @@ computes with real low-precision arithmetic where it can:
 
 * integer-like x integer-like (int8/int4/int2/ternary/binary, unpacked to
   int8): ``int8 x int8 -> int32``, scales applied after; exact.
-* fp8 x fp8: ``fp8 x fp8 -> float32``, scales applied after.
+* fp8 x fp8 (either kind, e4m3fn x e5m2 included): ``fp8 x fp8 -> float32``
+  (each product exact in float32), scales applied after.
 * group-wise (tiled) scales along a contracting axis: the axis is split into
   (groups, tile), groups become a batch axis of the dot, each group's partial
   sum is scaled, then the groups are summed.
 * zero points (asymmetric): ``(Ql - Zl)(Qr - Zr)`` is expanded into int8 dots
   of the codes and of the zero points (each exact in int32).
 * one side quantized, the other float: the quantized side is dequantized into
-  the float side's dtype (the Pallas W{1,2,4,8}A16 kernels do this fused).
+  ``compute_dtype`` (default: the float side's dtype; the QT ops pass
+  ``promote_types`` of the original operands' dtypes) and the float side cast
+  to it (the Pallas W{1,2,4,8}A16 kernels do this fused). A bf16 x bf16
+  product accumulates in float32 (:func:`float_dot_general`).
 
 Where scales cannot be factored out of the contraction (a scale that varies
 along a contracting axis per element, or two tiled contracting axes) both
@@ -35,6 +39,8 @@ Example:
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
 
@@ -44,26 +50,58 @@ from qtrain.core import qarray as qa
 DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
 
 
-def normalize_dimension_numbers(dimension_numbers, lhs_ndim: int, rhs_ndim: int) -> DimensionNumbers:
-  """Tuples of non-negative ints; validates ranges."""
+def normalize_dimension_numbers(dimension_numbers, lhs_ndim: int, rhs_ndim: int, *,
+                                lhs_shape=None, rhs_shape=None) -> DimensionNumbers:
+  """Tuples of non-negative ints, validated before any work is traced.
+
+  Raises ValueError (naming the axes) for a malformed value, an axis out of
+  range, an axis repeated within an operand's contracting or batch axes, an
+  axis both contracting and batch, lhs/rhs axis counts that differ and, when
+  the shapes are given, paired lhs/rhs axes of different sizes.
+  """
   try:
     (lc, rc), (lb, rb) = dimension_numbers
+    axes = {k: tuple(operator.index(a) for a in v)
+            for k, v in (("lc", lc), ("rc", rc), ("lb", lb), ("rb", rb))}
   except (TypeError, ValueError):
     raise ValueError(
         f"dimension_numbers={dimension_numbers!r} must be ((lhs_contract, rhs_contract), "
-        "(lhs_batch, rhs_batch))") from None
-  def norm(axes, nd, what):
-    out = []
-    for a in axes:
+        "(lhs_batch, rhs_batch)) with int axes") from None
+  bad = lambda msg: ValueError(f"dimension_numbers={dimension_numbers!r}: {msg}")
+  ndims = {"lhs": lhs_ndim, "rhs": rhs_ndim}
+  out = {}
+  for k, v in axes.items():
+    side, kind = ("lhs" if k[0] == "l" else "rhs"), ("contracting" if k[1] == "c" else "batch")
+    nd = ndims[side]
+    for a in v:
       if not -nd <= a < nd:
-        raise ValueError(f"{what} axis {a} out of range for rank {nd}")
-      out.append(int(a) % nd)
-    return tuple(out)
-  lc, lb = norm(lc, lhs_ndim, "lhs"), norm(lb, lhs_ndim, "lhs")
-  rc, rb = norm(rc, rhs_ndim, "rhs"), norm(rb, rhs_ndim, "rhs")
-  if len(lc) != len(rc) or len(lb) != len(rb):
-    raise ValueError(f"dimension_numbers={dimension_numbers!r}: lhs/rhs axis counts differ")
-  return ((lc, rc), (lb, rb))
+        raise bad(f"{side} {kind} axis {a} is out of range for {side} of rank {nd}")
+    norm = tuple(a % nd for a in v)
+    if len(set(norm)) != len(norm):
+      raise bad(f"{side} {kind} axes {v} repeat an axis ({kind} dimensions must be distinct)")
+    out[k] = norm
+  for side in ("lhs", "rhs"):
+    both = sorted(set(out[side[0] + "c"]) & set(out[side[0] + "b"]))
+    if both:
+      raise bad(f"{side} axes {both} are both contracting and batch axes")
+  for kind, l, r in (("contracting", out["lc"], out["rc"]), ("batch", out["lb"], out["rb"])):
+    if len(l) != len(r):
+      raise bad(f"lhs has {len(l)} {kind} axes, rhs {len(r)} (they pair up one to one)")
+    if lhs_shape is not None and rhs_shape is not None:
+      for i, j in zip(l, r):
+        if lhs_shape[i] != rhs_shape[j]:
+          raise bad(f"{kind} axes lhs {i} (size {lhs_shape[i]}) and rhs {j} (size "
+                    f"{rhs_shape[j]}) differ in size (shapes {tuple(lhs_shape)} and "
+                    f"{tuple(rhs_shape)})")
+  return ((out["lc"], out["rc"]), (out["lb"], out["rb"]))
+
+
+def output_shape(lhs_shape, rhs_shape, dn: DimensionNumbers) -> tuple[int, ...]:
+  """``dot_general``'s output shape: (batch..., lhs free..., rhs free...)."""
+  (lc, rc), (lb, rb) = dn
+  return (tuple(lhs_shape[a] for a in lb)
+          + tuple(lhs_shape[a] for a in free_axes(len(lhs_shape), lc, lb))
+          + tuple(rhs_shape[a] for a in free_axes(len(rhs_shape), rc, rb)))
 
 
 def free_axes(ndim: int, contract, batch) -> tuple[int, ...]:
@@ -74,22 +112,55 @@ def is_quantized(x) -> bool:
   return isinstance(x, qa.QArray)
 
 
-def _dequant_like(x, dtype):
-  return x.dequantize(dtype) if is_quantized(x) else x
+def float_dot_general(lhs, rhs, dn, *, precision=None, preferred_element_type=None) -> jax.Array:
+  """``lax.dot_general`` of float arrays that XLA's CPU backend can always run.
+
+  A bf16 x bf16 product with a float32 (or float64) output is rejected by
+  XLA's CPU runtime for some layouts (jaxlib 0.10.2: ``UNIMPLEMENTED:
+  Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32``, e.g.
+  lhs (6, 9) contracting axis 0 with rhs (5, 6, 3) contracting axis 1, or a
+  batch axis that is not leading). On a CPU lowering the operands are cast to
+  the output dtype first: bf16 values, and products of two, are exact in
+  float32, so the numbers are the same; other platforms keep the bf16 x bf16
+  product (the GPU's fast path).
+  """
+  pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
+  dot = lambda a, b: _lax.dot_general(a, b, dn, precision=precision, preferred_element_type=pet)
+  if (lhs.dtype == rhs.dtype == jnp.bfloat16 and pet is not None
+      and pet in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))):
+    return jax.lax.platform_dependent(
+        lhs, rhs, cpu=lambda a, b: dot(a.astype(pet), b.astype(pet)), default=dot)
+  return dot(lhs, rhs)
 
 
-def _float_dot(lhs, rhs, dn, out_dtype, precision=None):
-  if is_quantized(lhs) and not is_quantized(rhs):
-    lhs = lhs.dequantize(rhs.dtype)
-  elif is_quantized(rhs) and not is_quantized(lhs):
-    rhs = rhs.dequantize(lhs.dtype)
+def _as_dtype(x, dtype):
+  return x.dequantize(dtype) if is_quantized(x) else x.astype(dtype)
+
+
+def _float_dot(lhs, rhs, dn, out_dtype, compute_dtype=None, precision=None):
+  """The product in float, for what no exact low-precision product serves.
+
+  Two QArrays (integer x fp8, scales that do not factor out): both
+  dequantized into float32. Otherwise both sides are brought to
+  ``compute_dtype`` (a QArray dequantized into it, a float array cast to it);
+  None: the float side's dtype (``promote_types`` of two float sides). The
+  QT ops pass ``promote_types`` of the original operands' dtypes (see
+  :mod:`qtrain.core.qt_operand`): a QArray does not record the dtype it was
+  quantized from. Accumulation in float32, then a cast to ``out_dtype``.
+  """
+  if is_quantized(lhs) and is_quantized(rhs):
+    dtype = jnp.dtype(jnp.float32)
+  elif compute_dtype is not None:
+    dtype = jnp.dtype(compute_dtype)
   else:
-    lhs, rhs = _dequant_like(lhs, jnp.float32), _dequant_like(rhs, jnp.float32)
-  if precision is None and jnp.float32 in (lhs.dtype, rhs.dtype):
+    floats = [x.dtype for x in (lhs, rhs) if not is_quantized(x)]
+    dtype = jnp.dtype(jnp.promote_types(*floats) if len(floats) == 2 else floats[0])
+  lhs, rhs = _as_dtype(lhs, dtype), _as_dtype(rhs, dtype)
+  if precision is None and dtype == jnp.float32:
     # Dequantized values are the quantized math's exact inputs: float32
     # products run at HIGHEST, not TF32 (the GPU default); bf16 is unaffected.
     precision = jax.lax.Precision.HIGHEST
-  out = _lax.dot_general(lhs, rhs, dn, precision=precision, preferred_element_type=jnp.float32)
+  out = float_dot_general(lhs, rhs, dn, precision=precision, preferred_element_type=jnp.float32)
   return out.astype(out_dtype)
 
 
@@ -170,7 +241,8 @@ def _gemm_dims(lhs_ndim: int, rhs_ndim: int, nb: int, nc: int) -> DimensionNumbe
 
 
 def dot_general_quantized_xla(
-    lhs, rhs, dimension_numbers, *, preferred_element_type, precision=None, transpose=None
+    lhs, rhs, dimension_numbers, *, preferred_element_type, precision=None, transpose=None,
+    compute_dtype=None,
 ) -> jax.Array:
   """Dot over QArray/float operands with real low-precision arithmetic.
 
@@ -185,19 +257,24 @@ def dot_general_quantized_xla(
       passes a materialized Pallas transpose on a GPU (XLA's layout
       assignment cannot turn it back into a layout change) and
       ``jnp.transpose`` elsewhere.
+    compute_dtype: the float dtype of a product with a float side (the
+      quantized side dequantized into it, the float side cast to it); None:
+      the float side's dtype. Two QArrays ignore it (int32 / float32
+      accumulation, or float32 where the scales do not factor out).
 
   Returns:
     The product in ``preferred_element_type``.
   """
   out_dtype = jnp.dtype(preferred_element_type)
-  dn = normalize_dimension_numbers(dimension_numbers, lhs.ndim, rhs.ndim)
+  dn = normalize_dimension_numbers(dimension_numbers, lhs.ndim, rhs.ndim,
+                                   lhs_shape=lhs.shape, rhs_shape=rhs.shape)
   if not (is_quantized(lhs) and is_quantized(rhs)):
-    return _float_dot(lhs, rhs, dn, out_dtype, precision)
+    return _float_dot(lhs, rhs, dn, out_dtype, compute_dtype, precision)
   if lhs.qtype.is_float != rhs.qtype.is_float:
-    return _float_dot(lhs, rhs, dn, out_dtype, precision)
+    return _float_dot(lhs, rhs, dn, out_dtype, compute_dtype, precision)
   plan = _scale_plan(lhs, rhs, dn)
   if plan == "float":
-    return _float_dot(lhs, rhs, dn, out_dtype, precision)
+    return _float_dot(lhs, rhs, dn, out_dtype, compute_dtype, precision)
   (lc, rc), (lb, rb) = dn
   lfree, rfree = free_axes(lhs.ndim, lc, lb), free_axes(rhs.ndim, rc, rb)
   acc_dtype = jnp.float32 if lhs.qtype.is_float else jnp.int32

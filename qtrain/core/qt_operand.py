@@ -4,7 +4,26 @@ Quantizing a forward operand (calibrated or with a passed-in scale) into the
 residual the backward keeps (:class:`OperandResidual`: the QArray, the
 estimator's pass mask, the float operand only when an LSQ-learned scale needs
 it); finishing an operand's gradient (mask, learned-scale gradient);
-quantizing an incoming gradient; PRNG key plumbing through ``custom_vjp``.
+quantizing an incoming gradient; PRNG key plumbing through ``custom_vjp``;
+and the dtype policy both ops follow (:func:`check_operands`,
+:func:`compute_dtype`):
+
+* Inputs are float arrays; the output dtype is ``preferred_element_type``
+  (a float dtype) or ``result_type(lhs, rhs)`` of the original operands.
+* A product of a float operand and a quantized one runs in
+  ``promote_types`` of the two *original* float dtypes: the quantized side is
+  dequantized into that dtype, the float side cast up to it if narrower. bf16
+  activations times a weight quantized from bf16 stay a bf16 x bf16 product
+  (float32 accumulation; the W8A16 kernels' path), while a weight quantized
+  from float32 times float16 activations computes in float32 (dequantizing
+  it into float16 would overflow or flush values the float32 weight holds).
+  In a backward product the float side is the incoming gradient (in the
+  output dtype) and the quantized side the other operand's residual.
+* Two quantized operands: integer-like x integer-like as int8 x int8 ->
+  int32, fp8 x fp8 (either kind, mixed e4m3fn x e5m2 included) -> float32,
+  both exact before the scales; integer x fp8 and scales that do not factor
+  out of the contraction: both dequantized into float32.
+* Gradients come back in each operand's own dtype (and a learned scale's).
 """
 
 from __future__ import annotations
@@ -18,6 +37,38 @@ import jax.numpy as jnp
 from qtrain.core import config as cfg_lib
 from qtrain.core import estimators
 from qtrain.core import qarray as qa
+
+
+def check_operands(lhs, rhs, preferred_element_type) -> jnp.dtype:
+  """Validates a QT op's operands; returns its output dtype (see the module docstring).
+
+  Raises:
+    ValueError: for a non-float operand or a non-float ``preferred_element_type``.
+  """
+  for name, v in (("lhs", lhs), ("rhs", rhs)):
+    dtype = jnp.result_type(v)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise ValueError(f"{name} must be a float array, got dtype {dtype} (a QT op quantizes "
+                       f"float operands: cast integer data to a float dtype first)")
+  out = jnp.dtype(preferred_element_type if preferred_element_type is not None
+                  else jnp.result_type(lhs, rhs))
+  if not jnp.issubdtype(out, jnp.floating):
+    raise ValueError(f"preferred_element_type={out} must be a float dtype for a QT op "
+                     f"(e.g. float32, bfloat16, float16)")
+  return out
+
+
+def compute_dtype(a_dtype, b_dtype) -> jnp.dtype:
+  """The dtype of a product with a float side: ``promote_types`` of the two
+  original float dtypes (the quantized side's is that of the array it was
+  quantized from). Products of two quantized sides ignore it (see the module
+  docstring)."""
+  return jnp.promote_types(a_dtype, b_dtype)
+
+
+def check_given_scale(oq, given_scale, what: str) -> None:
+  if oq is None and given_scale is not None:
+    raise ValueError(f"{what}_scale was given but config.{what} is None (the operand is float)")
 
 
 def operand_spec(oq: cfg_lib.OperandQuant, ndim: int, channel_axes: tuple[int, ...],
@@ -55,9 +106,8 @@ class OperandResidual:
 
 def quantize_operand(x, oq, given_scale, channel_axes, tile_axis, what) -> OperandResidual:
   """Quantizes one forward operand (or keeps it float) and builds its residual."""
+  check_given_scale(oq, given_scale, what)
   if oq is None:
-    if given_scale is not None:
-      raise ValueError(f"{what}_scale was given but config.{what} is None (the operand is float)")
     return OperandResidual(value=x, mask=None, x=None, given_scale=None)
   spec = operand_spec(oq, x.ndim, channel_axes, tile_axis)
   if given_scale is None:

@@ -428,8 +428,31 @@ def _auto_wants_kernel(plan: _Plan) -> bool:
                          False)
 
 
+def _empty_product(lhs, rhs, dimension_numbers, out_dtype) -> jax.Array | None:
+  """Zeros of ``lax.dot_general``'s output shape where an operand has no
+  elements (M, N or K = 0; with K = 0 the (M, N) output is all zeros), else None."""
+  from qtrain.core import qdot  # lazy: qtrain.core imports this module
+  if isinstance(rhs, (PreparedWeight, _mosaic.MosaicWeight)):
+    if math.prod(lhs.shape) != 0:
+      return None
+    _check_last_axis_dims(lhs, dimension_numbers, type(rhs).__name__)
+    return jnp.zeros(tuple(lhs.shape[:-1]) + (rhs.n,), out_dtype)
+  if math.prod(lhs.shape) != 0 and math.prod(rhs.shape) != 0:
+    return None
+  dn = qdot.normalize_dimension_numbers(dimension_numbers, lhs.ndim, rhs.ndim,
+                                        lhs_shape=lhs.shape, rhs_shape=rhs.shape)
+  return jnp.zeros(qdot.output_shape(lhs.shape, rhs.shape, dn), out_dtype)
+
+
+def _as_compute_dtype(x, compute_dtype):
+  """A float (not quantized, not prepared) operand cast to ``compute_dtype``."""
+  if compute_dtype is None or _is_qarray(x) or isinstance(x, (PreparedWeight, _mosaic.MosaicWeight)):
+    return x
+  return x if x.dtype == compute_dtype else x.astype(compute_dtype)
+
+
 def quantized_dot_general(lhs, rhs, dimension_numbers, *, preferred_element_type,
-                          implementation: str = "auto") -> jax.Array:
+                          implementation: str = "auto", compute_dtype=None) -> jax.Array:
   """``dot_general`` over QArray/float operands, by a Pallas kernel or by XLA.
 
   Args:
@@ -440,37 +463,53 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, *, preferred_element_type
     dimension_numbers: as for :func:`jax.lax.dot_general`.
     preferred_element_type: the float output dtype (None: float32).
     implementation: one of :data:`IMPLEMENTATIONS`.
+    compute_dtype: the float dtype of a product with a float operand (see
+      :func:`qtrain.core.qdot.dot_general_quantized_xla`): float operands are
+      cast to it before a kernel or XLA sees them. None: as they are.
 
   Returns:
-    The product, shaped like ``jax.lax.dot_general``'s output.
+    The product, shaped like ``jax.lax.dot_general``'s output. An operand with
+    no elements gives zeros of that shape for every implementation, forced
+    kernels included: there is nothing to compute, so no kernel is planned or
+    run and no other path stands in for one.
 
   Raises:
     ValueError: for an unknown ``implementation``, or a forced kernel
       ("triton"/"mosaic"/"interpret") on a config no kernel handles (the
-      message says why), or "triton"/"mosaic" off a GPU.
+      message says why), or "triton"/"mosaic" off a GPU; not for an empty
+      product (see Returns), except for a weight form the implementation
+      never takes (a MosaicWeight off "mosaic"/"auto", a PreparedWeight on "xla").
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"{implementation=} is not valid; valid implementations are {IMPLEMENTATIONS}")
   out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None else jnp.float32)
+  # Weight forms an implementation cannot take are refused whatever the shapes.
+  if isinstance(rhs, _mosaic.MosaicWeight) and implementation not in ("mosaic", "auto"):
+    raise ValueError(f"a MosaicWeight rhs runs with implementation='mosaic' or 'auto'; got "
+                     f"{implementation=}")
+  prepared_rhs = isinstance(rhs, PreparedWeight)
+  if prepared_rhs and implementation == "xla":
+    raise ValueError("implementation='xla' cannot take a PreparedWeight rhs; pass a QArray")
+  empty = _empty_product(lhs, rhs, dimension_numbers, out_dtype)
+  if empty is not None:
+    return empty
+  if compute_dtype is not None:
+    compute_dtype = jnp.dtype(compute_dtype)
+    lhs, rhs = _as_compute_dtype(lhs, compute_dtype), _as_compute_dtype(rhs, compute_dtype)
   if implementation == "mosaic":
     return _run_mosaic(lhs, rhs, dimension_numbers, out_dtype)
   if isinstance(rhs, _mosaic.MosaicWeight):
-    if implementation != "auto":
-      raise ValueError(f"a MosaicWeight rhs runs with implementation='mosaic' or 'auto'; got "
-                       f"{implementation=}")
     return _auto_mosaic(lhs, rhs, dimension_numbers, out_dtype)
-  prepared_rhs = isinstance(rhs, PreparedWeight)
 
   def xla():
     from qtrain.core import qdot  # lazy: qtrain.core imports this module
-    if prepared_rhs:
-      raise ValueError("implementation='xla' cannot take a PreparedWeight rhs; pass a QArray")
     # "auto" hands XLA its int8/fp8 GEMMs in GEMM layout, pinned on a GPU by
     # a Pallas transpose (see qtrain.pallas.transpose); "xla" leaves the
     # operands as they are, layouts to XLA.
     transpose = None if implementation == "xla" else _transpose.gemm_transpose
     return qdot.dot_general_quantized_xla(lhs, rhs, dimension_numbers,
-                                          preferred_element_type=out_dtype, transpose=transpose)
+                                          preferred_element_type=out_dtype, transpose=transpose,
+                                          compute_dtype=compute_dtype)
 
   if implementation == "xla":
     return xla()

@@ -13,6 +13,7 @@ import pytest
 from qtrain.core import qarray as qa
 from qtrain.pallas import dispatch
 from qtrain.pallas import prepared
+from _testutil import all_eqns as _all_eqns
 from _testutil import rel_error as _rel
 
 INT_EXACT = 1e-6  # group-wise scales: f32 sums of exact integer partial sums
@@ -187,3 +188,66 @@ def test_auto_table_decisions():
   assert plan.weights_form == "qarray" and not dispatch._auto_wants_kernel(plan)
   w4 = _quant(jax.random.normal(jax.random.key(9), (128, 256)), "int4", (0,), {1: 64})
   assert not dispatch._auto_wants_kernel(dispatch._plan(x_small, w4, nk))
+
+
+def _qarray(codes, scale_shape, qtype="int8"):
+  from qtrain.core import qtypes
+  return qa.QArray(qvalue=jnp.asarray(codes, jnp.int8), scale=jnp.full(scale_shape, 0.5, jnp.float32),
+                   zero_point=None, qtype=qtypes.get_qtype(qtype))
+
+
+# (dimension_numbers, lhs shape, rhs shape): M = 0, K = 0, N = 0, batch = 0.
+_EMPTY = {
+    "M=0": ((((1,), (0,)), ((), ())), (0, 128), (128, 40)),
+    "K=0": ((((1,), (0,)), ((), ())), (8, 0), (0, 40)),
+    "N=0": ((((1,), (0,)), ((), ())), (8, 128), (128, 0)),
+    "batch=0": ((((2,), (1,)), ((0,), (0,))), (0, 8, 128), (0, 128, 40)),
+}
+
+
+@pytest.mark.parametrize("impl", dispatch.IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", list(_EMPTY))
+@pytest.mark.parametrize("lhs_kind", ["float", "int8"])
+def test_empty_operands_give_zeros_for_every_implementation(impl, case, lhs_kind):
+  """An empty product is zeros of lax.dot_general's output shape under every
+  implementation, forced kernels included (nothing to compute, so no kernel is
+  planned: none is traced), in the requested dtype."""
+  dn, ls, rs = _EMPTY[case]
+  rhs = _qarray(np.ones(rs), rs[:-2] + (1, rs[-1]))
+  lhs = (jnp.ones(ls, jnp.bfloat16) if lhs_kind == "float"
+         else _qarray(np.ones(ls), ls[:-1] + (1,)))
+  f = lambda l, r: dispatch.quantized_dot_general(l, r, dn, preferred_element_type=jnp.bfloat16,
+                                                  implementation=impl)
+  want = jax.lax.dot_general(jnp.ones(ls), jnp.ones(rs), dn)
+  out = jax.jit(f)(lhs, rhs)
+  assert (out.shape, out.dtype) == (want.shape, jnp.bfloat16)
+  assert not np.any(np.asarray(out, np.float32))
+  prims = {e.primitive.name for e in _all_eqns(jax.make_jaxpr(f)(lhs, rhs).jaxpr)}
+  assert "pallas_call" not in prims and "dot_general" not in prims, prims
+
+
+def test_empty_lhs_with_a_prepared_weight_gives_zeros():
+  w = _quant(W.T, "int8", (0,))  # (N, K)
+  pw = prepared.prepare_weight(w.qvalue, "int8", scale=w.scale[:, 0])
+  for impl in ("auto", "interpret"):
+    out = dispatch.quantized_dot_general(jnp.ones((0, 3, 128), jnp.float32), pw, (((2,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32, implementation=impl)
+    assert out.shape == (0, 3, 40) and out.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_compute_dtype_casts_the_float_operand(impl):
+  """compute_dtype brings a float operand to it before a kernel or XLA sees it:
+  float16 activations x weights quantized from float32 values ~1e-9
+  (compute_dtype=float32) give exactly what float32 activations give, none of
+  it flushed to 0 (float16 has no 1e-9); bf16 with compute_dtype=bf16 is the
+  bf16 call itself (the W8A16 path unchanged)."""
+  x = jax.random.normal(jax.random.key(11), (8, 128), jnp.float32).astype(jnp.float16)
+  w = _quant(jax.random.normal(jax.random.key(12), (128, 40)) * 1e-9, "int8", (1,))
+  dn = (((1,), (0,)), ((), ()))
+  call = lambda l, **kw: dispatch.quantized_dot_general(l, w, dn, preferred_element_type=jnp.float32,
+                                                        implementation=impl, **kw)
+  np.testing.assert_array_equal(call(x, compute_dtype=jnp.float32), call(x.astype(jnp.float32)))
+  assert np.all(np.asarray(call(x, compute_dtype=jnp.float32)) != 0)
+  xb = x.astype(jnp.bfloat16)
+  np.testing.assert_array_equal(call(xb, compute_dtype=jnp.bfloat16), call(xb))
