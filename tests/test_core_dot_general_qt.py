@@ -146,8 +146,8 @@ def _op(x, w, dn, cfg):
 
 
 # Every config on 'mk,kn' and with batch dims ('bmk,bnk'); the main configs on
-# every layout. (Tile 64 on 'mab,abn', whose last contracting axis is 32 long,
-# must raise: tested below.)
+# every layout. (Tile 64 on 'mab,abn', whose last contracting axis is 32 long, spans the
+# whole 128-long contraction: tested below.)
 _MAIN = ("w8a8", "w4t32a8", "binary_absmean", "fp8_e4m3")
 FWD_CASES = ([(n, "mk,kn") for n in CONFIGS] + [(n, "bmk,bnk") for n in CONFIGS] +
              [(n, l) for n in _MAIN for l in ("bmk,kn", "mab,abn")])
@@ -179,11 +179,38 @@ def test_forward_vs_float64(name, layout):
     assert np.max(err) > 0
 
 
-def test_tile_64_on_32_long_axis_is_rejected():
+@pytest.mark.parametrize("lhs_order", ["ab", "ba"])
+def test_tile_spans_the_whole_contraction_of_several_axes(lhs_order):
+  # 'mab,abn' contracts (a, b) = (4, 32): a 64 tile spans two a's. The contraction is flattened
+  # in the order its axes lie in lhs ("ba": lhs stored as (m, b, a), so b-major), and the op
+  # equals the product of the flattened operands, values and gradients (through the reshape).
   dn, ls, rs = LAYOUTS["mab,abn"]
-  lq, rq = CONFIGS["w4t64a8t64"]
-  with pytest.raises(ValueError, match="tile_size=64"):
-    dot_general_qt(jnp.ones(ls), jnp.ones(rs), dn, _cfg(lq, rq))
+  cfg = _cfg(*CONFIGS["w4t64a8t64"])
+  x, w = jnp.asarray(_rand(ls, 41)), jnp.asarray(_rand(rs, 42))
+  if lhs_order == "ba":
+    x, dn = jnp.transpose(x, (0, 2, 1)), (((2, 1), (0, 1)), ((), ()))
+  w_flat = w if lhs_order == "ab" else jnp.transpose(w, (1, 0, 2))   # rhs in lhs's order
+  mk = LAYOUTS["mk,kn"][0]
+  op = lambda x, w: dot_general_qt(x, w, dn, cfg)
+  flat = lambda x, w: dot_general_qt(x.reshape(8, 128), w.reshape(128, 16), mk, cfg)
+  np.testing.assert_array_equal(op(x, w), flat(x, w_flat))
+  loss = lambda f: lambda x, w: jnp.sum(f(x, w) ** 2)
+  gx, gw = jax.grad(loss(op), (0, 1))(x, w)
+  gx_f, gw_f = jax.grad(loss(flat), (0, 1))(x, w_flat)
+  np.testing.assert_array_equal(gx, gx_f)
+  np.testing.assert_array_equal(gw, gw_f if lhs_order == "ab" else jnp.transpose(gw_f, (1, 0, 2)))
+  # Two scales per weight column (64-long tiles), not one per a (32-long tiles).
+  per_32 = _cfg(OQ(qtype="int8", tile_size=32), OQ(qtype=jnp.int4, tile_size=32))
+  assert not np.array_equal(
+      op(x, w), dot_general_qt(x.reshape(8, 128), w_flat.reshape(128, 16), mk, per_32))
+
+
+def test_tile_not_dividing_the_contraction_is_rejected():
+  # 48 divides neither the 128-long contraction of 'mab,abn' (4 x 32) nor its last axis.
+  dn, ls, rs = LAYOUTS["mab,abn"]
+  with pytest.raises(ValueError, match=r"config\.rhs\.tile_size=48 does not divide the "
+                                       r"contraction of size 128 .*4 x 32"):
+    dot_general_qt(jnp.ones(ls), jnp.ones(rs), dn, _cfg(None, OQ(qtype="int4", tile_size=48)))
 
 
 def test_nan_in_one_row_stays_in_that_row():
