@@ -74,8 +74,8 @@ def _free(nd, contract, batch):
 
 
 def ref_spec(oq, nd, contract, batch):
-  """The documented operand spec: per index of every non-contracting axis, tiles on the
-  last contracting axis."""
+  """The documented operand spec for one contracting axis (or an untiled operand): per index
+  of every non-contracting axis, tiles on the contracting axis."""
   if oq is None:
     return None
   cw = tuple(sorted(set(batch) | set(_free(nd, contract, batch)))) if oq.channelwise else ()
@@ -84,8 +84,37 @@ def ref_spec(oq, nd, contract, batch):
                              calibration=oq.calibration)
 
 
+def _on_merged_contraction(x, contract, f):
+  """``f`` applied to ``x`` with its contracting axes (adjacent, ascending in these layouts)
+  merged into one, the result reshaped back: a tile spans the whole contraction."""
+  c = sorted(contract)
+  assert c == list(range(c[0], c[0] + len(c)))
+  shape = x.shape
+  merged = shape[:c[0]] + (int(np.prod([shape[a] for a in c])),) + shape[c[-1] + 1:]
+  return f(x.reshape(merged), c[0]).reshape(shape)
+
+
+def _tiled_over_several_axes(oq, contract):
+  return oq is not None and oq.tile_size and len(contract) > 1
+
+
 @functools.partial(jax.jit, static_argnames=("oq", "nd", "contract", "batch"))
 def ref_quant(x, oq, nd, contract, batch):
+  """(x_hat, QArray in x's layout) of the documented quantization of one operand."""
+  if _tiled_over_several_axes(oq, contract):
+    qs = []
+    def quant(xm, axis):
+      spec = ref_spec(oq, xm.ndim, (axis,), tuple(a if a < axis else a - len(contract) + 1
+                                                   for a in batch))
+      qs.append(qarray.quantize(xm, spec))
+      return qarray.dequantize(qs[0])
+    xh = _on_merged_contraction(x, contract, quant)
+    q = qs[0]
+    back = lambda v: None if v is None else _on_merged_contraction(
+        x, contract, lambda *_: qarray.expand_scale(v, q.shape))
+    # Per-element scale (and zero point) in x's layout.
+    return xh, qarray.QArray(qvalue=_on_merged_contraction(x, contract, lambda *_: q.qvalue),
+                             scale=back(q.scale), zero_point=back(q.zero_point), qtype=q.qtype)
   spec = ref_spec(oq, nd, contract, batch)
   if spec is None:
     return x, None
@@ -248,8 +277,11 @@ def test_binary_all_zero_row_gives_zero_output_and_passes_gradient():
 def _fq_ste(x, oq, contract, batch):
   if oq is None:
     return x
-  spec = ref_spec(oq, x.ndim, contract, batch)
-  return x + jax.lax.stop_gradient(qarray.fake_quantize(x, spec) - x)
+  if _tiled_over_several_axes(oq, contract):
+    xh = ref_quant(x, oq, x.ndim, contract, batch)[0]
+  else:
+    xh = qarray.fake_quantize(x, ref_spec(oq, x.ndim, contract, batch))
+  return x + jax.lax.stop_gradient(xh - x)
 
 
 @functools.partial(jax.jit, static_argnames=("dn", "lq", "rq"))
