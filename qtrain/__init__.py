@@ -4,7 +4,7 @@ Quantize a Flax model's matmuls and convolutions by rules, then train it with
 optax or ``nnx.Optimizer`` exactly as the float model::
 
   >>> import jax, jax.numpy as jnp, flax.linen as nn, qtrain
-  >>> rules = [qtrain.QtRule(module_path=r".*Dense_0", weight_qtype="int8", act_qtype="int8",
+  >>> rules = [qtrain.QtRule(module_path=r"layers_0", weight_qtype="int8", act_qtype="int8",
   ...                        bwd_qtype="int8", bwd_stochastic_rounding="uniform"),
   ...          qtrain.QtRule(module_path=r".*", weight_qtype="int4", tile_size=16)]
   >>> model = nn.Sequential([nn.Dense(32), nn.relu, nn.Dense(4)])

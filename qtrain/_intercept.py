@@ -90,6 +90,11 @@ def _frames() -> list:
   return f
 
 
+def depth() -> int:
+  """How many frames this thread has (0: no quantized linen call is running)."""
+  return len(getattr(_tls, "frames", None) or ())
+
+
 def current_frame() -> Frame | None:
   f = getattr(_tls, "frames", None)
   return f[-1] if f else None

@@ -55,16 +55,19 @@ Example (nnx):
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
 from flax import nnx
+from flax import errors as flax_errors
 from flax.core import meta
 
 from qtrain import _intercept
 from qtrain import provider as provider_lib
+from qtrain import rules as rules_lib
 
 # ---------------------------------------------------------------------------
 # linen
@@ -85,8 +88,14 @@ class QtLinenModel(nn.Module):
 
   def __call__(self, *args, **kwargs):
     own = tuple(self.path)
+    top = _intercept.depth() == 0
     with _intercept.linen_scope(self.provider, rename=(own + ("model",), own)):
-      return self.model(*args, **kwargs)
+      out = self.model(*args, **kwargs)
+    if top and not self.provider.rules_checked:
+      # Every op of the model has been seen (recorded) by the end of its first call.
+      self.provider.warn_unused_rules_once(
+          [(r.path, r.op_name) for r in self.provider.records()])
+    return out
 
 
 # linen layers whose weight operand is known by their calling convention.
@@ -113,6 +122,13 @@ def linen_weight_operand(module, op_name: str, operands) -> int | None:
   return None
 
 
+_NO_QUANT_STATS = (
+    "static activation scales (act_static_scale=True) live in the \"quant_stats\" collection, "
+    "which this module's scope does not have: inside nn.scan (or another lifted transform), add "
+    "\"quant_stats\" to nn.scan's variable_axes (e.g. variable_axes={\"params\": 0, "
+    "\"quant_stats\": 0}); in apply, pass the \"quant_stats\" that init returned")
+
+
 class LinenHost:
   """An op's state in the calling linen module's scope (names prefixed by op id)."""
 
@@ -126,10 +142,16 @@ class LinenHost:
     return self.module.scope.param(f"{self.op_id}_{name}", lambda *_: init_fn())
 
   def stat(self, name, init_fn):
-    return self.module.scope.variable("quant_stats", f"{self.op_id}_{name}", init_fn).value
+    try:
+      return self.module.scope.variable("quant_stats", f"{self.op_id}_{name}", init_fn).value
+    except flax_errors.ScopeCollectionNotFound as e:
+      raise ValueError(_NO_QUANT_STATS) from e
 
   def set_stat(self, name, value):
-    self.module.scope.put_variable("quant_stats", f"{self.op_id}_{name}", value)
+    try:
+      self.module.scope.put_variable("quant_stats", f"{self.op_id}_{name}", value)
+    except flax_errors.ScopeCollectionNotFound as e:  # pragma: no cover - stat() raises first
+      raise ValueError(_NO_QUANT_STATS) from e
 
   def rng_key(self, stream, what):
     if not self.module.scope.has_rng(stream):
@@ -233,6 +255,8 @@ class QtOp(nnx.Module):
   def __call__(self, *args, **kwargs):
     host = _NnxHost(self)
     op_id = f"{self.op_name}0"
+    if self.initializing and _observed.shapes is not None:
+      _observed.shapes[self.path] = jnp.shape(_weight_arg(self.op_name, args))
     if self.op_name == "dot_general":
       return self.provider.dot_general(host, self.path, op_id, *args, weight_operand=1,
                                        fallback=self.original, **kwargs)
@@ -270,6 +294,117 @@ def _owns_params(node) -> bool:
   return any(isinstance(v, nnx.Param) for v in vars(node).values())
 
 
+# Flax's own nnx layers that compute a matmul or a convolution. One whose op cannot be replaced
+# (a custom dot_general, dot_general_cls, ConvTranspose) is worth a warning; Flax's other layers
+# with parameters (norms, Embed, BatchNorm, ...) have no such op, and are passed silently.
+_FLAX_OP_LAYERS = (nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.ConvTranspose, nnx.Einsum)
+
+
+def _is_flax_layer(node) -> bool:
+  return type(node).__module__.split(".")[0] == "flax"
+
+
+def _declared_kernel_shape(node) -> tuple[int, ...] | None:
+  """The kernel shape a Flax layer declares (its constructor's arguments), or None."""
+  if isinstance(node, nnx.Linear):
+    return (node.in_features, node.out_features)
+  if isinstance(node, nnx.LinearGeneral):
+    return (*node.batch_axis.values(), *node.in_features, *node.out_features)
+  if isinstance(node, (nnx.Conv, nnx.Einsum)):
+    return tuple(node.kernel_shape)
+  return None
+
+
+def _declared_stack_shape(node) -> tuple[int, ...] | None:
+  """A Flax layer's stack shape: its kernel's leading axes beyond the declared kernel shape.
+
+  ``()`` for a plain layer, ``(n,)`` for a layer created under ``nnx.vmap`` (n layers), None
+  when the layer is not one of Flax's or its kernel does not end with the declared shape.
+  """
+  decl = _declared_kernel_shape(node)
+  kernel = vars(node).get("kernel")
+  if decl is None or not isinstance(kernel, nnx.Variable):
+    return None
+  shape = tuple(jnp.shape(_vget(kernel)))
+  n = len(shape) - len(decl)
+  if n < 0 or shape[n:] != tuple(decl):
+    return None
+  return shape[:n]
+
+
+def _observed_stack_shape(node, weight_shape) -> tuple[int, ...] | None:
+  """A module's stack shape from the weight operand its op saw in the sample forward.
+
+  The weight operand is one of the module's parameters, sliced by the nnx.scan / nnx.vmap that
+  runs the stack: a parameter of exactly that shape means no stacking; otherwise the leading
+  axes of the one parameter that ends with that shape. None when that is ambiguous.
+  """
+  shapes = [tuple(jnp.shape(_vget(v))) for v in vars(node).values() if isinstance(v, nnx.Param)]
+  weight_shape = tuple(weight_shape)
+  if weight_shape in shapes:
+    return ()
+  lead = {s[:len(s) - len(weight_shape)] for s in shapes
+          if len(s) > len(weight_shape) and s[len(s) - len(weight_shape):] == weight_shape}
+  return lead.pop() if len(lead) == 1 else None
+
+
+def _op_stream(stream, stack: tuple[int, ...], tag: str):
+  """An op's own stochastic-rounding stream, stacked like its layer.
+
+  One key is drawn from ``stream`` and split over ``stack``
+  (``jax.random.split(key, stack)``); layer i's call j then uses
+  ``fold_in(keys[i], j)`` (nnx.RngStream's counter, stacked too). nnx.scan /
+  nnx.vmap slice the keys and counters with the layer's parameters.
+  """
+  return nnx.RngStream(jax.random.split(stream(), stack), tag=tag)
+
+
+_OP_STATE = ("act_static_scale", "act_static_count", "act_scale", "act_shift")
+
+
+def _weight_arg(op_name: str, args) -> Any:
+  return args[2] if op_name == "einsum" else args[1]
+
+
+class _Observed(threading.local):
+  """Weight operand shapes the QtOps see in quantize_model's sample forward (by path)."""
+  shapes: dict | None = None
+
+
+_observed = _Observed()
+
+
+def _what(node) -> str:
+  return type(node).__name__
+
+
+def _no_hook_reason(node) -> str:
+  if isinstance(node, nnx.ConvTranspose):
+    return "ConvTranspose calls jax.lax.conv_transpose, which qtrain does not replace"
+  if getattr(node, "dot_general_cls", None) is not None:
+    return "it was given dot_general_cls"
+  for attr in ("dot_general", "einsum_op", "conv_general_dilated"):
+    if attr in vars(node):
+      return f"its {attr} is a custom function ({getattr(vars(node)[attr], '__name__', '?')})"
+  return "it has no replaceable op attribute"
+
+
+def _warn_no_hook(provider, user_modules, flax_layers):
+  for pstr, node, i in flax_layers:
+    provider.warn_once((pstr, "nnx-no-hook"),
+                       f"qtrain: nnx module {pstr!r} ({_what(node)}) matches rules[{i}] but "
+                       f"{_no_hook_reason(node)}: it stays in float", stacklevel=5)
+  if user_modules:
+    listing = ", ".join(f"{p!r} ({_what(n)}, rules[{i}])" for p, n, i in user_modules[:8])
+    more = f" and {len(user_modules) - 8} more" if len(user_modules) > 8 else ""
+    provider.warn_once(("nnx-no-hook", tuple(p for p, _, _ in user_modules)),
+                       f"qtrain: nnx modules {listing}{more} have parameters and match rules, but "
+                       "have no dot_general/einsum_op/conv_general_dilated attribute to replace: "
+                       "their calls to jax.lax / jnp are not quantized (keep the op as an "
+                       "attribute, e.g. self.dot_general = jax.lax.dot_general, and call it)",
+                       stacklevel=5)
+
+
 def _quantize_nnx(model, provider, sample_args, sample_kwargs, rngs):
   stream = None
   if rngs is not None:
@@ -277,24 +412,21 @@ def _quantize_nnx(model, provider, sample_args, sample_kwargs, rngs):
       stream = rngs[provider.rng_stream]
     except (KeyError, AttributeError):
       stream = None
-  plan = []
+  plan, all_ops, user_modules, flax_layers = [], [], [], []
   for path, node in list(nnx.iter_graph(model)):
     if not isinstance(node, nnx.Module) or isinstance(node, QtOp):
       continue
     pstr = "/".join(str(p) for p in path)
     hook = _nnx_hook(node)
     if hook is None:
-      if _owns_params(node):
+      if _owns_params(node) and (isinstance(node, _FLAX_OP_LAYERS) or not _is_flax_layer(node)):
         hit = [i for i, r in enumerate(provider.rules) if r.quantizes and
                any(r.matches(pstr, o) for o in ("dot_general", "einsum", "conv_general_dilated"))]
         if hit:
-          provider.warn_once((pstr, "nnx-no-hook"),
-                             f"qtrain: nnx module {pstr!r} ({type(node).__name__}) matches "
-                             f"rules[{hit[0]}] but has no dot_general/einsum_op/"
-                             "conv_general_dilated attribute to replace: its calls to jax.lax / "
-                             "jnp are not quantized")
+          (flax_layers if _is_flax_layer(node) else user_modules).append((pstr, node, hit[0]))
       continue
     attr, op_name = hook
+    all_ops.append((pstr, op_name))
     m = provider.match(pstr, op_name)
     if m is None or not m[1].quantizes:
       provider.note_skipped(pstr, f"{op_name}0", op_name,
@@ -306,30 +438,101 @@ def _quantize_nnx(model, provider, sample_args, sample_kwargs, rngs):
           f"matches {pstr!r} and needs keys from the RNG stream {provider.rng_stream!r}: pass "
           f"rngs=nnx.Rngs({provider.rng_stream}=seed) to qtrain.quantize_model")
     plan.append((node, attr, op_name, pstr, m))
+  _warn_no_hook(provider, user_modules, flax_layers)
+  provider.warn_unused_rules_once(all_ops, stacklevel=5)  # at the caller of quantize_model
+  has_sample = bool(sample_args or sample_kwargs)
+  # A Flax layer's stacking is known from its declared kernel shape; a user module's is learnt
+  # from the weight operand its op sees in the sample forward.
+  stacks = {}
+  for node, _, _, pstr, m in plan:
+    stacks[pstr] = _declared_stack_shape(node)
+    if stacks[pstr] is None and (m[1].needs_rng or m[1].has_state) and not has_sample:
+      if m[1].has_state:
+        continue  # the "pass sample inputs" error below names it
+      raise ValueError(
+          f"qtrain: rules[{m[0]}] (bwd_stochastic_rounding={m[1].bwd_stochastic_rounding!r}) "
+          f"matches nnx module {pstr!r} ({_what(node)}): its op gets its own keys, stacked like "
+          "the module's weight when the module is one of a stack (nnx.vmap / nnx.scan), which "
+          "qtrain learns for a module that is not one of Flax's layers from one forward: pass "
+          "sample inputs, quantize_model(model, provider, *sample_args, rngs=...)")
   ops = []
   data = getattr(nnx, "data", lambda v: v)
   for node, attr, op_name, pstr, m in plan:
     original = vars(node)[attr]
     if original is None:
       original = _intercept.original(op_name)
-    op = QtOp(provider=provider, path=pstr, op_name=op_name, original=original,
-              rng=stream if m[1].needs_rng else None)
+    op = QtOp(provider=provider, path=pstr, op_name=op_name, original=original)
+    if m[1].needs_rng and stacks[pstr] is not None:
+      op.rng = _op_stream(stream, stacks[pstr], provider.rng_stream)
     setattr(node, attr, data(op))
-    ops.append((op, m[1]))
-  needs_state = [op.path for op, r in ops if r.has_state]
-  if needs_state and not sample_args and not sample_kwargs:
+    ops.append((node, op, m))
+  needs_state = [op.path for _, op, m in ops if m[1].has_state]
+  if needs_state and not has_sample:
     raise ValueError(f"qtrain: rules with static or learned activation scales match nnx modules "
                      f"{needs_state}: pass sample inputs, quantize_model(model, provider, "
                      "*sample_args), to create their state")
-  if sample_args or sample_kwargs:
-    for op, _ in ops:
-      op.initializing = True
-    try:
-      model(*sample_args, **sample_kwargs)
-    finally:
-      for op, _ in ops:
-        op.initializing = False
+  if not has_sample:
+    return model
+  stacked = [(op.path, stacks[op.path]) for _, op, _ in ops if stacks[op.path]]
+  for _, op, _ in ops:
+    op.initializing = True
+  _observed.shapes = {}
+  try:
+    model(*sample_args, **sample_kwargs)
+  except Exception as e:
+    if not stacked:
+      raise
+    cause = str(e).splitlines()[0][:300] if str(e) else ""
+    raise ValueError(
+        f"qtrain: quantize_model's sample forward failed ({type(e).__name__}: {cause}); the nnx "
+        f"modules {provider_lib._listing([f'{p} {s}' for p, s in stacked])} are stacked "
+        "(leading axes shown), and the sample forward must run them as the model does, through "
+        "nnx.scan / nnx.vmap (pass the model that scans the stack, or quantize each layer "
+        "inside the vmapped constructor)") from e
+  finally:
+    observed, _observed.shapes = _observed.shapes, None
+    for _, op, _ in ops:
+      op.initializing = False
+  for node, op, m in ops:
+    if stacks[op.path] is None:
+      if op.path not in observed:
+        if not m[1].needs_rng:
+          continue
+        raise ValueError(
+            f"qtrain: rules[{m[0]}] matches nnx module {op.path!r} ({_what(node)}), whose op the "
+            "sample forward did not call: qtrain cannot tell whether it is one of a stack "
+            "(nnx.vmap / nnx.scan) to give it keys stacked like its weight; call it in the "
+            "sample forward, or keep it in float with a rule that sets no qtype")
+      stacks[op.path] = _observed_stack_shape(node, observed[op.path])
+      if stacks[op.path] is None:
+        raise ValueError(
+            f"qtrain: rules[{m[0]}] matches nnx module {op.path!r} ({_what(node)}), whose op got "
+            f"a weight operand of shape {tuple(observed[op.path])}, which is none of the "
+            "module's parameters (nor their trailing axes): qtrain cannot tell whether the "
+            "module is one of a stack (nnx.vmap / nnx.scan) to stack its op's keys and state "
+            "with it; pass the parameter itself as the op's second operand")
+      if m[1].needs_rng:
+        op.rng = _op_stream(stream, stacks[op.path], provider.rng_stream)
+    _check_state_stacked(node, op, m, stacks[op.path])
   return model
+
+
+def _check_state_stacked(node, op, m, stack):
+  """Raises when a stacked layer's op state was created without the stack's leading axes."""
+  if not stack:
+    return
+  for name in _OP_STATE:
+    v = getattr(op, name, None)
+    if v is None:
+      continue
+    shape = tuple(jnp.shape(_vget(v)))
+    per_layer_scalar = name != "act_shift"
+    if shape[:len(stack)] != stack or (per_layer_scalar and shape != stack):
+      raise ValueError(
+          f"qtrain: rules[{m[0]}] keeps state {name!r} for nnx module {op.path!r} "
+          f"({_what(node)}), one of a stack of shape {stack}, but the sample forward created "
+          f"it with shape {shape}: run the stack in the sample forward as the model does, "
+          "through nnx.scan / nnx.vmap")
 
 
 # ---------------------------------------------------------------------------
@@ -347,7 +550,8 @@ def quantize_model(model, provider: provider_lib.QtProvider, *sample_args, rngs=
       forward that creates the ops' state (needed when a rule keeps static
       or learned activation scales; learned scales initialise from it).
     rngs: nnx only: an ``nnx.Rngs`` with a ``"quant"`` stream (needed when a
-      rule uses ``bwd_stochastic_rounding``).
+      rule uses ``bwd_stochastic_rounding``). Each quantized op draws one key
+      from it here and keeps its own stream (see Pitfalls: stacked layers).
 
   Returns:
     linen: a new :class:`QtLinenModel` (``init``/``apply`` as usual; pass
@@ -372,11 +576,23 @@ def quantize_model(model, provider: provider_lib.QtProvider, *sample_args, rngs=
   Pitfalls:
     * linen static scales inside ``nn.scan`` need
       ``variable_axes={"quant_stats": 0}``; learned scales follow ``"params"``.
+    * A rule that matches no op warns once, when the model first runs (linen:
+      at the end of its first call, e.g. ``init``; nnx: in ``quantize_model``),
+      naming paths it finds with ``re.search`` but not ``re.fullmatch``.
     * nnx: a new ``QtProvider`` is a new static attribute (a retrace under
       ``nnx.jit``); reuse one provider for models that share a jitted step.
-    * nnx layers stacked with ``nnx.vmap``/``nnx.scan`` are supported for rules
-      without state; static/learned scales and stochastic-rounding streams of
-      stacked layers are not (their Variables are created unstacked).
+    * nnx layers stacked with ``nnx.vmap`` and run by ``nnx.scan`` / ``nnx.vmap``
+      (or quantized inside the vmapped constructor): each quantized op gets its
+      own stochastic-rounding stream, stacked like its layer: one key drawn from
+      ``rngs``' ``"quant"`` stream per op (graph order), split over the stack
+      (``jax.random.split(key, stack_shape)``), and a counter: layer i's call j
+      uses ``fold_in(keys[i], j)``. The stack shape of Flax's layers is their
+      kernel's leading axes beyond the declared kernel shape; a user module's
+      is learnt from the weight operand its op sees in the sample forward
+      (``quantize_model`` asks for sample inputs when a stochastic-rounding
+      rule matches one). Static and learned activation scales of stacked
+      layers are created by the sample forward, which must run the stack as
+      the model does (through the ``nnx.scan``): one value per layer.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, qtrain
@@ -387,7 +603,7 @@ def quantize_model(model, provider: provider_lib.QtProvider, *sample_args, rngs=
     (2, 8)
   """
   if not isinstance(provider, provider_lib.QtProvider):
-    raise ValueError(f"provider={provider!r} must be a qtrain.QtProvider")
+    raise ValueError(_not_a_provider(provider))
   if isinstance(model, nn.Module):
     if sample_args or sample_kwargs or rngs is not None:
       raise ValueError("linen models take no sample inputs or rngs here: state is created by "
@@ -400,6 +616,22 @@ def quantize_model(model, provider: provider_lib.QtProvider, *sample_args, rngs=
   if isinstance(model, nnx.Module):
     return _quantize_nnx(model, provider, sample_args, sample_kwargs, rngs)
   raise ValueError(f"model must be a flax.linen.Module or flax.nnx.Module, got {type(model)}")
+
+
+def _not_a_provider(obj) -> str:
+  """The error for a ``provider`` that is not a QtProvider: type names and counts, no reprs."""
+  msg = "provider must be a qtrain.QtProvider; got "
+  if isinstance(obj, (list, tuple)):
+    names = sorted({type(x).__name__ for x in obj})
+    what = names[0] if len(names) == 1 else f"items ({', '.join(names)})"
+    msg += f"a {type(obj).__name__} of {len(obj)} {what}"
+    if obj and all(isinstance(x, rules_lib.QtRule) for x in obj):
+      msg += ": pass qtrain.QtProvider(rules)"
+    return msg
+  msg += f"a {type(obj).__name__}"
+  if isinstance(obj, rules_lib.QtRule):
+    msg += ": pass qtrain.QtProvider([rule])"
+  return msg
 
 
 def set_calibrate(model, calibrate: bool) -> None:

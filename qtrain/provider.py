@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -123,6 +124,17 @@ def _grad_guard_bwd(message, _, g):
 _grad_guard.defvjp(_grad_guard_fwd, _grad_guard_bwd)
 
 
+class OpError(ValueError):
+  """A ValueError raised while building or running a quantized op, naming its rule and layer."""
+
+
+def _listing(items: Sequence[str], limit: int = 6) -> str:
+  """``['a', 'b'] and 3 more``: a short list for a message."""
+  shown = ", ".join(repr(x) for x in items[:limit])
+  more = f" and {len(items) - limit} more" if len(items) > limit else ""
+  return f"[{shown}]{more}"
+
+
 class QtProvider:
   """Quantized-training provider: an ordered list of rules (first match wins).
 
@@ -142,13 +154,14 @@ class QtProvider:
     rules = tuple(rules)
     for i, r in enumerate(rules):
       if not isinstance(r, rules_lib.QtRule):
-        raise ValueError(f"rules[{i}]={r!r} must be a qtrain.QtRule")
+        raise ValueError(f"rules[{i}] must be a qtrain.QtRule, got a {type(r).__name__}")
     if not isinstance(rng_stream, str) or not rng_stream:
       raise ValueError(f"rng_stream={rng_stream!r} must be a non-empty string")
     self.rules = rules
     self.rng_stream = rng_stream
     self._records: dict[tuple[str, str], OpRecord] = {}
     self._warned: set = set()
+    self._rules_checked = False
     self._lock = threading.Lock()
 
   def __repr__(self):
@@ -186,12 +199,79 @@ class QtProvider:
     used = {r.rule_index for r in self.records()}
     return [(i, r) for i, r in enumerate(self.rules) if i not in used]
 
-  def warn_once(self, key, message: str) -> None:
+  def unused_rule_messages(self, ops: Sequence[tuple[str, str]]) -> list[tuple[int, str]]:
+    """``(rule index, message)`` for each rule that is the first match of none of ``ops``.
+
+    ``ops`` are ``(module path, op name)`` pairs (every op of a model). The
+    message names the likely mistake: paths the regex finds with
+    ``re.search`` but does not ``re.fullmatch`` (module_path is fullmatched),
+    ops the path matches but ``op_names`` excludes, ops an earlier rule takes.
+    """
+    ops = sorted(set(ops))
+    used = set()
+    for path, op_name in ops:
+      m = self.match(path, op_name)
+      if m is not None:
+        used.add(m[0])
+    out = []
+    for i, r in enumerate(self.rules):
+      if i in used:
+        continue
+      msg = f"qtrain: rules[{i}] (module_path={r.module_path!r}, {r.short()}) matched no op"
+      taken = sorted({p for p, o in ops if r.matches(p, o)})
+      near = sorted({p for p, _ in ops if r.near_miss(p)})
+      other_op = sorted({f"{p} ({o})" for p, o in ops
+                         if r.op_names is not None and o not in r.op_names and
+                         r.matches(p, r.op_names[0])})
+      if taken:
+        msg += f"; earlier rules match first on {_listing(taken)}"
+      if near:
+        msg += (f"; module_path is re.fullmatch-ed against the whole path, and only "
+                f"re.search finds it in {_listing(near)} (e.g. module_path="
+                f"{'.*' + r.module_path + '.*'!r})")
+      if other_op:
+        msg += f"; op_names={r.op_names} excludes {_listing(other_op)}"
+      if not ops:
+        msg += " (the model has no op qtrain can intercept)"
+      out.append((i, msg))
+    return out
+
+  @property
+  def rules_checked(self) -> bool:
+    """Whether :meth:`warn_unused_rules_once` has run (it checks once per provider)."""
+    return self._rules_checked
+
+  def warn_unused_rules_once(self, ops: Sequence[tuple[str, str]], *, stacklevel: int = 4) -> None:
+    """Warns about the rules that match none of ``ops``, the first time it is called.
+
+    Called when the model first runs (the end of a linen model's first call;
+    nnx's ``quantize_model``), when every op of the model is known.
+    """
+    with self._lock:
+      if self._rules_checked:
+        return
+      self._rules_checked = True
+    for i, msg in self.unused_rule_messages(ops):
+      self.warn_once(("unused-rule", i), msg, stacklevel=stacklevel)
+
+  def warn_once(self, key, message: str, *, stacklevel: int = 3) -> None:
     with self._lock:
       if key in self._warned:
         return
       self._warned.add(key)
-    warnings.warn(message, stacklevel=3)
+    warnings.warn(message, stacklevel=stacklevel)
+
+  @contextlib.contextmanager
+  def _naming(self, m, op_name: str, path: str):
+    """Re-raises a ValueError from building or running a quantized op with its rule and layer."""
+    try:
+      yield
+    except OpError:
+      raise
+    except ValueError as e:
+      msg = str(e).removeprefix("qtrain: ")
+      raise OpError(f"qtrain: rules[{m[0]}] (module_path={m[1].module_path!r}) on {op_name} in "
+                    f"module {path!r}: {msg}") from e
 
   def _rec(self, path, op_id, op_name, m, status, w_idx, shapes):
     rule = m[1] if m else None
@@ -307,33 +387,34 @@ class QtProvider:
     if weight_operand is None or weight_operand < 0:
       self._no_weight(path, op_id, op_name, m, weight_operand, shapes)
       return float_call()
-    rule = m[1]
-    if out_sharding is not None:
-      raise NotImplementedError(
-          f"qtrain: {op_name} in module {path!r} was called with out_sharding={out_sharding!r}; "
-          "quantized ops do not take out_sharding (shard the inputs instead)")
-    from qtrain.core import qdot
-    dn = qdot.normalize_dimension_numbers(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
-    ops = [lhs, rhs]
-    a_idx = 1 - weight_operand
-    act, act_scale = ops[a_idx], None
-    if rule.act_qtype is not None:
-      act, act_scale = self._act_state(host, rule, act, dn[0][a_idx])
-      ops[a_idx] = act
-    w_cfg = self._operand(rule, weight=True, given_scale=False, conv=False)
-    a_cfg = self._operand(rule, weight=False, given_scale=act_scale is not None, conv=False)
-    g = self._grad(rule)
-    cfg = cfg_lib.DotGeneralQtConfig(
-        lhs=w_cfg if weight_operand == 0 else a_cfg, rhs=w_cfg if weight_operand == 1 else a_cfg,
-        dlhs_grad=g, drhs_grad=g, implementation=rule.implementation)
-    scales = [None, None]
-    scales[a_idx] = act_scale
-    self._rec(path, op_id, op_name, m, QUANTIZED, weight_operand, shapes)
-    key, missing = self._key(host, rule, path)
-    out = _dot_general_qt(ops[0], ops[1], dn, cfg, precision=precision,
-                          preferred_element_type=preferred_element_type, key=key,
-                          lhs_scale=scales[0], rhs_scale=scales[1])
-    return out if missing is None else _grad_guard(out, missing)
+    with self._naming(m, op_name, path):
+      rule = m[1]
+      if out_sharding is not None:
+        raise NotImplementedError(
+            f"qtrain: {op_name} in module {path!r} was called with out_sharding={out_sharding!r}; "
+            "quantized ops do not take out_sharding (shard the inputs instead)")
+      from qtrain.core import qdot
+      dn = qdot.normalize_dimension_numbers(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
+      ops = [lhs, rhs]
+      a_idx = 1 - weight_operand
+      act, act_scale = ops[a_idx], None
+      if rule.act_qtype is not None:
+        act, act_scale = self._act_state(host, rule, act, dn[0][a_idx])
+        ops[a_idx] = act
+      w_cfg = self._operand(rule, weight=True, given_scale=False, conv=False)
+      a_cfg = self._operand(rule, weight=False, given_scale=act_scale is not None, conv=False)
+      g = self._grad(rule)
+      cfg = cfg_lib.DotGeneralQtConfig(
+          lhs=w_cfg if weight_operand == 0 else a_cfg, rhs=w_cfg if weight_operand == 1 else a_cfg,
+          dlhs_grad=g, drhs_grad=g, implementation=rule.implementation)
+      scales = [None, None]
+      scales[a_idx] = act_scale
+      self._rec(path, op_id, op_name, m, QUANTIZED, weight_operand, shapes)
+      key, missing = self._key(host, rule, path)
+      out = _dot_general_qt(ops[0], ops[1], dn, cfg, precision=precision,
+                            preferred_element_type=preferred_element_type, key=key,
+                            lhs_scale=scales[0], rhs_scale=scales[1])
+      return out if missing is None else _grad_guard(out, missing)
 
   def einsum(self, host: Host, path: str, op_id: str, subscripts, operands, kwargs, *,
              weight_operand: int | None, fallback: Callable):
@@ -357,14 +438,15 @@ class QtProvider:
                      f"qtrain: einsum {subscripts!r} in module {path!r} (rules[{m[0]}]) cannot be "
                      "quantized (needs two operands, no diagonals/broadcasting); it stays in float")
       return fallback(subscripts, *operands, **kwargs)
-    lhs, rhs = operands
+    with self._naming(m, "einsum", path):
+      lhs, rhs = operands
 
-    def dg(l, r, dn):
-      return self.dot_general(host, path, op_id, l, r, dn, kwargs.get("precision"),
-                              kwargs.get("preferred_element_type"),
-                              weight_operand=weight_operand, fallback=jax.lax.dot_general,
-                              op_name="einsum", record_shapes=shapes)
-    return _einsum.run(plan, lhs, rhs, dg)
+      def dg(l, r, dn):
+        return self.dot_general(host, path, op_id, l, r, dn, kwargs.get("precision"),
+                                kwargs.get("preferred_element_type"),
+                                weight_operand=weight_operand, fallback=jax.lax.dot_general,
+                                op_name="einsum", record_shapes=shapes)
+      return _einsum.run(plan, lhs, rhs, dg)
 
   def conv_general_dilated(self, host: Host, path: str, op_id: str, lhs, rhs, window_strides,
                            padding, lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
@@ -388,39 +470,38 @@ class QtProvider:
     if weight_operand != 1:
       self._no_weight(path, op_id, "conv_general_dilated", m, weight_operand, shapes)
       return float_call()
-    rule = m[1]
-    if out_sharding is not None:
-      raise NotImplementedError(
-          f"qtrain: conv_general_dilated in module {path!r} was called with out_sharding=; "
-          "quantized ops do not take out_sharding")
-    if rule.tile_size is not None:
-      raise ValueError(f"qtrain: rules[{m[0]}] sets tile_size={rule.tile_size} and matches "
-                       f"conv_general_dilated in module {path!r}; convolutions take no tile_size "
-                       "(restrict the rule with op_names=('dot_general', 'einsum'))")
-    cdn = jax.lax.conv_dimension_numbers(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
-    act, act_scale = lhs, None
-    if rule.act_qtype is not None:
-      act, act_scale = self._act_state(host, rule, lhs, (cdn.lhs_spec[1],))
-    cfg = cfg_lib.ConvGeneralQtConfig(
-        lhs=self._operand(rule, weight=False, given_scale=act_scale is not None, conv=True),
-        rhs=self._operand(rule, weight=True, given_scale=False, conv=True),
-        dlhs_grad=self._grad(rule), drhs_grad=self._grad(rule), implementation=rule.implementation)
-    self._rec(path, op_id, "conv_general_dilated", m, QUANTIZED, 1, shapes)
-    key, missing = self._key(host, rule, path)
-    out = _conv_general_qt(
-        act, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
-        feature_group_count, batch_group_count, precision, preferred_element_type, config=cfg,
-        key=key, lhs_scale=act_scale)
-    return out if missing is None else _grad_guard(out, missing)
+    with self._naming(m, "conv_general_dilated", path):
+      rule = m[1]
+      if out_sharding is not None:
+        raise NotImplementedError(
+            f"qtrain: conv_general_dilated in module {path!r} was called with out_sharding=; "
+            "quantized ops do not take out_sharding")
+      if rule.tile_size is not None:
+        raise ValueError(f"tile_size={rule.tile_size} is set, and convolutions take no "
+                         "tile_size (restrict the rule with op_names=('dot_general', 'einsum'))")
+      cdn = jax.lax.conv_dimension_numbers(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
+      act, act_scale = lhs, None
+      if rule.act_qtype is not None:
+        act, act_scale = self._act_state(host, rule, lhs, (cdn.lhs_spec[1],))
+      cfg = cfg_lib.ConvGeneralQtConfig(
+          lhs=self._operand(rule, weight=False, given_scale=act_scale is not None, conv=True),
+          rhs=self._operand(rule, weight=True, given_scale=False, conv=True),
+          dlhs_grad=self._grad(rule), drhs_grad=self._grad(rule), implementation=rule.implementation)
+      self._rec(path, op_id, "conv_general_dilated", m, QUANTIZED, 1, shapes)
+      key, missing = self._key(host, rule, path)
+      out = _conv_general_qt(
+          act, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+          feature_group_count, batch_group_count, precision, preferred_element_type, config=cfg,
+          key=key, lhs_scale=act_scale)
+      return out if missing is None else _grad_guard(out, missing)
 
   # -------------------------------------------------------------- summary
 
   def summary(self) -> str:
     """A table of every op seen, its rule and qtypes; warns about unused rules."""
     recs = sorted(self.records(), key=lambda r: (r.path, r.op_id))
-    for i, r in self.unused_rules():
-      warnings.warn(f"qtrain: rules[{i}] (module_path={r.module_path!r}, {r.short()}) matched no "
-                    "op", stacklevel=2)
+    for _, msg in self.unused_rule_messages([(r.path, r.op_name) for r in recs]):
+      warnings.warn(msg, stacklevel=2)
     if not recs:
       warnings.warn("qtrain: no op recorded yet: run the quantized model once (init or a step) "
                     "before asking for its summary", stacklevel=2)

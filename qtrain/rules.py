@@ -59,8 +59,11 @@ class QtRule:
     weight_qtype: qtype of the weight operand (the layer's parameter), or
       None to keep it float. Any qtype of :data:`qtrain.core.VALID_QTYPES`.
     act_qtype: qtype of the activation operand (the non-weight one), or None.
-    tile_size: group-wise scales along the contracting axis (one scale per
+    tile_size: group-wise scales along the contraction (one scale per
       ``tile_size`` values) for both quantized operands; None: per channel.
+      An op that contracts several axes (an attention out projection over
+      (heads, head_dim)) is tiled over their product, flattened in the order
+      the axes lie in the activation; the tile must divide that product.
     weight_calibration_method, act_calibration_method: a method name
       (``absmax``, ``absmean``, ``rms``, ``minmax``, ``fixed``,
       ``percentile``) or a :class:`qtrain.core.Calibration`.
@@ -234,6 +237,12 @@ class QtRule:
     if self.op_names is not None and op_name not in self.op_names:
       return False
     return self._regex.fullmatch(path) is not None  # type: ignore[attr-defined]
+
+  def near_miss(self, path: str) -> bool:
+    """Whether ``re.search`` finds :attr:`module_path` in ``path`` but ``re.fullmatch`` does not
+    (the common mistake: ``"mlp"`` for ``"block_0/mlp_up"``; write ``".*mlp.*"``)."""
+    rx = self._regex  # type: ignore[attr-defined]
+    return rx.search(path) is not None and rx.fullmatch(path) is None
 
   @property
   def quantizes(self) -> bool:

@@ -74,8 +74,8 @@ def _free(nd, contract, batch):
 
 
 def ref_spec(oq, nd, contract, batch):
-  """The documented operand spec: per index of every non-contracting axis, tiles on the
-  last contracting axis."""
+  """The documented operand spec for one contracting axis (or an untiled operand): per index
+  of every non-contracting axis, tiles on the contracting axis."""
   if oq is None:
     return None
   cw = tuple(sorted(set(batch) | set(_free(nd, contract, batch)))) if oq.channelwise else ()
@@ -84,8 +84,37 @@ def ref_spec(oq, nd, contract, batch):
                              calibration=oq.calibration)
 
 
+def _on_merged_contraction(x, contract, f):
+  """``f`` applied to ``x`` with its contracting axes (adjacent, ascending in these layouts)
+  merged into one, the result reshaped back: a tile spans the whole contraction."""
+  c = sorted(contract)
+  assert c == list(range(c[0], c[0] + len(c)))
+  shape = x.shape
+  merged = shape[:c[0]] + (int(np.prod([shape[a] for a in c])),) + shape[c[-1] + 1:]
+  return f(x.reshape(merged), c[0]).reshape(shape)
+
+
+def _tiled_over_several_axes(oq, contract):
+  return oq is not None and oq.tile_size and len(contract) > 1
+
+
 @functools.partial(jax.jit, static_argnames=("oq", "nd", "contract", "batch"))
 def ref_quant(x, oq, nd, contract, batch):
+  """(x_hat, QArray in x's layout) of the documented quantization of one operand."""
+  if _tiled_over_several_axes(oq, contract):
+    qs = []
+    def quant(xm, axis):
+      spec = ref_spec(oq, xm.ndim, (axis,), tuple(a if a < axis else a - len(contract) + 1
+                                                   for a in batch))
+      qs.append(qarray.quantize(xm, spec))
+      return qarray.dequantize(qs[0])
+    xh = _on_merged_contraction(x, contract, quant)
+    q = qs[0]
+    back = lambda v: None if v is None else _on_merged_contraction(
+        x, contract, lambda *_: qarray.expand_scale(v, q.shape))
+    # Per-element scale (and zero point) in x's layout.
+    return xh, qarray.QArray(qvalue=_on_merged_contraction(x, contract, lambda *_: q.qvalue),
+                             scale=back(q.scale), zero_point=back(q.zero_point), qtype=q.qtype)
   spec = ref_spec(oq, nd, contract, batch)
   if spec is None:
     return x, None
@@ -159,8 +188,8 @@ def _op(x, w, dn, cfg):
 
 
 # Every config on 'mk,kn' and with batch dims ('bmk,bnk'); the main configs on
-# every layout. (Tile 64 on 'mab,abn', whose last contracting axis is 32 long,
-# must raise: tested below.)
+# every layout. (Tile 64 on 'mab,abn', whose last contracting axis is 32 long, spans the
+# whole 128-long contraction: tested below.)
 _MAIN = ("w8a8", "w4t32a8", "binary_absmean", "fp8_e4m3")
 FWD_CASES = ([(n, "mk,kn") for n in CONFIGS] + [(n, "bmk,bnk") for n in CONFIGS] +
              [(n, l) for n in _MAIN for l in ("bmk,kn", "mab,abn")])
@@ -192,11 +221,38 @@ def test_forward_vs_float64(name, layout):
     assert np.max(err) > 0
 
 
-def test_tile_64_on_32_long_axis_is_rejected():
+@pytest.mark.parametrize("lhs_order", ["ab", "ba"])
+def test_tile_spans_the_whole_contraction_of_several_axes(lhs_order):
+  # 'mab,abn' contracts (a, b) = (4, 32): a 64 tile spans two a's. The contraction is flattened
+  # in the order its axes lie in lhs ("ba": lhs stored as (m, b, a), so b-major), and the op
+  # equals the product of the flattened operands, values and gradients (through the reshape).
   dn, ls, rs = LAYOUTS["mab,abn"]
-  lq, rq = CONFIGS["w4t64a8t64"]
-  with pytest.raises(ValueError, match="tile_size=64"):
-    dot_general_qt(jnp.ones(ls), jnp.ones(rs), dn, _cfg(lq, rq))
+  cfg = _cfg(*CONFIGS["w4t64a8t64"])
+  x, w = jnp.asarray(_rand(ls, 41)), jnp.asarray(_rand(rs, 42))
+  if lhs_order == "ba":
+    x, dn = jnp.transpose(x, (0, 2, 1)), (((2, 1), (0, 1)), ((), ()))
+  w_flat = w if lhs_order == "ab" else jnp.transpose(w, (1, 0, 2))   # rhs in lhs's order
+  mk = LAYOUTS["mk,kn"][0]
+  op = lambda x, w: dot_general_qt(x, w, dn, cfg)
+  flat = lambda x, w: dot_general_qt(x.reshape(8, 128), w.reshape(128, 16), mk, cfg)
+  np.testing.assert_array_equal(op(x, w), flat(x, w_flat))
+  loss = lambda f: lambda x, w: jnp.sum(f(x, w) ** 2)
+  gx, gw = jax.grad(loss(op), (0, 1))(x, w)
+  gx_f, gw_f = jax.grad(loss(flat), (0, 1))(x, w_flat)
+  np.testing.assert_array_equal(gx, gx_f)
+  np.testing.assert_array_equal(gw, gw_f if lhs_order == "ab" else jnp.transpose(gw_f, (1, 0, 2)))
+  # Two scales per weight column (64-long tiles), not one per a (32-long tiles).
+  per_32 = _cfg(OQ(qtype="int8", tile_size=32), OQ(qtype=jnp.int4, tile_size=32))
+  assert not np.array_equal(
+      op(x, w), dot_general_qt(x.reshape(8, 128), w_flat.reshape(128, 16), mk, per_32))
+
+
+def test_tile_not_dividing_the_contraction_is_rejected():
+  # 48 divides neither the 128-long contraction of 'mab,abn' (4 x 32) nor its last axis.
+  dn, ls, rs = LAYOUTS["mab,abn"]
+  with pytest.raises(ValueError, match=r"config\.rhs\.tile_size=48 does not divide the "
+                                       r"contraction of size 128 .*4 x 32"):
+    dot_general_qt(jnp.ones(ls), jnp.ones(rs), dn, _cfg(None, OQ(qtype="int4", tile_size=48)))
 
 
 def test_nan_in_one_row_stays_in_that_row():
@@ -234,8 +290,11 @@ def test_binary_all_zero_row_gives_zero_output_and_passes_gradient():
 def _fq_ste(x, oq, contract, batch):
   if oq is None:
     return x
-  spec = ref_spec(oq, x.ndim, contract, batch)
-  return x + jax.lax.stop_gradient(qarray.fake_quantize(x, spec) - x)
+  if _tiled_over_several_axes(oq, contract):
+    xh = ref_quant(x, oq, x.ndim, contract, batch)[0]
+  else:
+    xh = qarray.fake_quantize(x, ref_spec(oq, x.ndim, contract, batch))
+  return x + jax.lax.stop_gradient(xh - x)
 
 
 @functools.partial(jax.jit, static_argnames=("dn", "lq", "rq"))

@@ -192,6 +192,79 @@ def _bwd(dn, config, precision, out_dtype, shapes, res, g):
 _dot_general_qt.defvjp(_fwd, _bwd)
 
 
+# ----------------------------------------------------------------------------
+# Tiles over a contraction of several axes.
+
+
+def _merge_axes(x, scale, group, batch, what):
+  """Brings ``group`` (axes of ``x``, in this order) together at ``min(group)`` and merges them.
+
+  The other axes keep their order, so the product's output layout is unchanged. Returns
+  (x', scale', merged axis, batch axes renumbered). A passed-in scale goes the same way (its
+  contracting axes are broadcast first when they vary, so the merged scale stays exact).
+  """
+  nd = x.ndim
+  pos = min(group)
+  rest = [a for a in range(nd) if a not in group]
+  order = [a for a in rest if a < pos] + list(group) + [a for a in rest if a > pos]
+  new_index = {a: i if i < pos else (pos if i < pos + len(group) else i - len(group) + 1)
+               for i, a in enumerate(order)}
+
+  def merge(v):
+    if order != list(range(nd)):
+      v = jnp.transpose(v, order)
+    return v.reshape(v.shape[:pos] + (int(np.prod(v.shape[pos:pos + len(group)])),)
+                     + v.shape[pos + len(group):])
+
+  if scale is not None:
+    from qtrain.core.qt_operand import as_scale
+    s = as_scale(scale, x.shape, f"{what}_scale")
+    for a in group:  # a scale entry covers x.shape[a] // s.shape[a] consecutive elements
+      if s.shape[a] != 1:
+        s = jnp.repeat(s, x.shape[a] // s.shape[a], axis=a)
+    scale = merge(s)
+  return merge(x), scale, pos, tuple(new_index[a] for a in batch)
+
+
+def merge_tiled_contraction(lhs, rhs, dn, config, lhs_scale=None, rhs_scale=None):
+  """Makes ``tile_size`` apply to the whole contraction of a multi-axis contraction.
+
+  ``tile_size`` groups the contraction, the product of the contracting axes in
+  the order the contracting axes lie in ``lhs`` (MultiHeadDotProductAttention's
+  out projection contracts (heads, head_dim) = (4, 32): a 64 tile spans two
+  heads).
+  When an operand has a tile and the op contracts more than one axis, the
+  contracting axes of both operands are brought together (a transpose only
+  where they are not already adjacent and in the same order) and reshaped to
+  one axis; JAX differentiates the reshape. The output layout does not change.
+
+  Returns ``(lhs, rhs, dn, lhs_scale, rhs_scale)``, unchanged when there is
+  nothing to merge. Raises ValueError when a tile does not divide the contraction.
+  """
+  (lc, rc), (lb, rb) = dn
+  tiled = [(n, oq) for n, oq in (("lhs", config.lhs), ("rhs", config.rhs))
+           if oq is not None and oq.tile_size]
+  if not tiled or len(lc) < 2:
+    return lhs, rhs, dn, lhs_scale, rhs_scale
+  sizes = tuple(int(jnp.shape(lhs)[a]) for a in lc)
+  k = int(np.prod(sizes))
+  for name, oq in tiled:
+    if k % oq.tile_size:
+      raise ValueError(
+          f"config.{name}.tile_size={oq.tile_size} does not divide the contraction of size {k} "
+          f"(contracting axes {tuple(lc) if name == 'lhs' else tuple(rc)} of {name} shape "
+          f"{tuple(jnp.shape(lhs if name == 'lhs' else rhs))}: {' x '.join(map(str, sizes))})")
+  # The contraction is flattened in the order its axes lie in lhs (the pairs sorted by the lhs
+  # axis), so adjacent lhs axes need no transpose; rhs is transposed only where its paired axes
+  # are not adjacent and in that order.
+  pairs = sorted(zip(lc, rc))
+  lhs, lhs_scale, l_axis, lb = _merge_axes(jnp.asarray(lhs), lhs_scale, [p[0] for p in pairs],
+                                           lb, "lhs")
+  rhs, rhs_scale, r_axis, rb = _merge_axes(jnp.asarray(rhs), rhs_scale, [p[1] for p in pairs],
+                                           rb, "rhs")
+  return lhs, rhs, (((l_axis,), (r_axis,)), (lb, rb)), lhs_scale, rhs_scale
+
+
 def dot_general_qt(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -248,6 +321,8 @@ def dot_general_qt(
                                         lhs_shape=jnp.shape(lhs), rhs_shape=jnp.shape(rhs))
   if config.needs_key and key is None:
     raise ValueError("config asks for stochastic_rounding in dlhs_grad/drhs_grad: pass key=")
+  lhs, rhs, dn, lhs_scale, rhs_scale = merge_tiled_contraction(lhs, rhs, dn, config, lhs_scale,
+                                                               rhs_scale)
   for name, oq, x, c in (("lhs", config.lhs, lhs, dn[0][0]), ("rhs", config.rhs, rhs, dn[0][1])):
     if oq is not None and oq.tile_size:
       if not c:
