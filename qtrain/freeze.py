@@ -86,7 +86,7 @@ Example (a rule-quantized linen model):
   >>> sorted(frozen["layers"]), frozen["layers"]["layers_1"].words.shape
   (['layers_0', 'layers_1'], (16, 4))
   >>> y = jax.jit(lambda fr, x: freeze.apply_frozen(model, fr, x))(frozen, x)
-  >>> bool(jnp.all(y == qmodel.apply(variables, x)))
+  >>> bool(jnp.all(y == jax.jit(qmodel.apply)(variables, x)))
   True
 """
 
@@ -276,7 +276,7 @@ def _from_record(rec, provider, module_params: Mapping, state: Mapping, where: s
     if state.get(key) is None:
       raise ValueError(f"freeze: layer {where!r}: its rule keeps {why}, but the variables hold "
                        f"no {key!r} for it (pass all collections, e.g. 'quant_stats')")
-    return jnp.asarray(state[key], jnp.float32)
+    return jnp.asarray(state[key])  # as stored: the QT op reads it as is
 
   if rule.act_qtype is not None:
     if rule.act_learnable_scale:
@@ -778,6 +778,9 @@ def layer_sizes(frozen, variables=None) -> dict:
                 "float32_bytes": fp32, "frozen_bytes": fb, "weight_bytes": _nbytes(l.words),
                 "ratio": fp32 / max(fb, 1)}
   if variables is not None:
+    if isinstance(frozen, nnx.Module):
+      raise ValueError("layer_sizes(frozen, variables): variables= is for linen; a frozen nnx "
+                       "model holds its own state")
     if "params" not in variables:
       variables = {"params": variables}
     f32 = sum(4 * int(np.prod(np.shape(x))) for x in jax.tree.leaves(variables))
