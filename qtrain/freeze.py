@@ -96,7 +96,7 @@ import collections
 import contextlib
 import dataclasses
 import re
-from typing import Any, Mapping
+from typing import Mapping
 
 import flax.linen as nn
 import jax
@@ -427,23 +427,25 @@ class FrozenOp(nnx.Module):
     return dataclasses.replace(self.spec, **arrays)
 
   def __call__(self, *args, **kwargs):
-    where = _where(self.path)
     if kwargs.pop("out_sharding", None) is not None:
-      raise NotImplementedError(f"frozen layer {where!r}: out_sharding is not supported")
-    impl = self.implementation
+      raise NotImplementedError(f"frozen layer {_where(self.path)!r}: out_sharding is not "
+                                "supported")
     if self.op_name == "dot_general":
-      lhs, rhs, dn, *rest = args
-      precision = rest[0] if rest else kwargs.get("precision")
-      del precision  # products of quantized values have their own precision
-      pref = rest[1] if len(rest) > 1 else kwargs.get("preferred_element_type")
-      return _frozen.dot_general(self.layer, lhs, rhs, dn, preferred_element_type=pref,
-                                 weight_operand=1, implementation=impl, where=where)
+      return self._dot_general(*args, **kwargs)
     if self.op_name == "einsum":
       subscripts, *operands = args
       return _frozen.einsum(self.layer, subscripts, operands, kwargs, weight_operand=1,
-                            implementation=impl, where=where)
-    return _frozen.conv_general_dilated(self.layer, *args, **kwargs, implementation=impl,
-                                        where=where)
+                            implementation=self.implementation, where=_where(self.path))
+    return _frozen.conv_general_dilated(self.layer, *args, **kwargs,
+                                        implementation=self.implementation,
+                                        where=_where(self.path))
+
+  def _dot_general(self, lhs, rhs, dimension_numbers, precision=None,
+                   preferred_element_type=None):
+    del precision  # a product of quantized values has its own (the QT op's) precision
+    return _frozen.dot_general(self.layer, lhs, rhs, dimension_numbers,
+                               preferred_element_type=preferred_element_type, weight_operand=1,
+                               implementation=self.implementation, where=_where(self.path))
 
 
 _NNX_HOOKS = ("dot_general", "einsum_op", "conv_general_dilated")
