@@ -46,6 +46,14 @@ What it freezes, and how the frozen model runs:
   the same way (their kernels are ``(K, N)`` / HWIO too); any other module
   at a frozen path raises at inference: freeze such models with the provider.
 
+What cannot be frozen (freeze raises, naming the layer): fp8 weights; layers
+stacked by ``nn.scan`` / ``nn.vmap`` / ``nnx.scan`` / ``nnx.vmap`` (the op
+sees one slice of the parameter); an op whose weight is computed from a
+parameter (a masked convolution's ``kernel * mask``, an einsum that sums
+weight axes first); an op of a module with several parameters of the
+weight's shape, none named ``kernel``. A module's own op must pass the
+parameter itself as its weight (as the QT forward's interception expects).
+
 ``implementation`` (the rules' names, :data:`IMPLEMENTATIONS`):
 
 * ``"xla"``: the weight is rebuilt in its own layout and the product is the
@@ -373,6 +381,13 @@ def _freeze_records(variables, provider) -> dict:
 # nnx.
 
 
+def _check_unmasked(module, where: str) -> None:
+  """A masked layer's op multiplies ``kernel * mask``, not the parameter freeze would pack."""
+  if getattr(module, "mask", None) is not None:
+    raise ValueError(f"freeze: layer {where!r} ({type(module).__name__}) has a mask: its op's "
+                     "weight is kernel * mask, not a parameter, and cannot be frozen")
+
+
 class FrozenWeight(nnx.Variable):
   """nnx state of a frozen layer (packed weights, scales, input scale / shift): not trained."""
 
@@ -493,6 +508,7 @@ def _freeze_nnx(model, provider=None):
     if rec.status != provider_lib.QUANTIZED:  # left in float by the QT model: float here too
       setattr(node, attr, _static(op.original))
       continue
+    _check_unmasked(node, where)
     params = {k: _vget(v) for k, v in vars(node).items() if isinstance(v, nnx.Param)}
     state = {n: _vget(getattr(op, n)) for n in _STATE_NAMES if getattr(op, n, None) is not None}
     layer = _from_record(rec, op.provider, params, state, where)
@@ -663,6 +679,7 @@ class _FrozenOps:
                       precision=precision, preferred_element_type=preferred_element_type, **kw)
     if weight_operand is not None and weight_operand != 1:
       raise _frozen._mismatch(hit[1], f"its kernel is operand {weight_operand}, frozen as 1")
+    _check_unmasked(host.module, hit[1])
     return _frozen.conv_general_dilated(
         hit[0], lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
         feature_group_count, batch_group_count, precision, preferred_element_type,

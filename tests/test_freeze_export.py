@@ -509,6 +509,16 @@ def test_freeze_errors_name_the_problem():
   with pytest.raises(ValueError, match=r"frozen layer '<root> \(dot_general0\)': its op "
                                        r"contracts weight axes \(1,\).*frozen for \(0,\)"):
     freeze.apply_frozen(Transposed(), freeze.freeze(vd, pd), x)
+  # A masked convolution's op multiplies kernel * mask: not a parameter freeze could pack.
+  conv = nn.Conv(D, (3,), mask=jnp.tril(jnp.ones((3, D, D))))
+  pc = qtrain.QtProvider(rules)
+  vc = qtrain.quantize_model(conv, pc).init(jax.random.key(1), x)
+  with pytest.raises(ValueError, match=r"'<root> \(conv_general_dilated0\)' \(Conv\) has a mask"):
+    freeze.apply_frozen(conv, freeze.freeze(vc, pc), x)
+  mc = nnx.Conv(D, D, (3,), mask=jnp.tril(jnp.ones((3, D, D))), rngs=nnx.Rngs(0))
+  qtrain.quantize_model(mc, qtrain.QtProvider(rules), x)
+  with pytest.raises(ValueError, match=r"\(Conv\) has a mask"):
+    freeze.freeze(mc)
   # Stacked layers: the record's weight is one slice of the parameter.
   ps = qtrain.QtProvider(rules)
   vs = qtrain.quantize_model(Stacked(), ps).init(jax.random.key(1), x)
