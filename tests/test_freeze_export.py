@@ -263,9 +263,9 @@ def _rules(name):
 
 
 RULES = ["w8a8", "w4g16", "w1a8", "bitorch", "w8a8_static"]
-# Each linen case compiles the block 3 times (~3 s each): the fast suite keeps two.
-LINEN_RULES = [r if r in ("w8a8", "bitorch") else pytest.param(r, marks=pytest.mark.slow)
-               for r in RULES]
+# Each linen case compiles the block 3 times (~3 s each): the fast suite keeps one (the nnx
+# cases, all fast, cover learned, static and group scales too).
+LINEN_RULES = [r if r == "w8a8" else pytest.param(r, marks=pytest.mark.slow) for r in RULES]
 EXACT_IMPLS = ("xla",) if jax.default_backend() == "gpu" else ("xla", "auto")
 
 
