@@ -39,7 +39,7 @@ Usage:
   python examples/fashion_mnist.py --epochs 1 --limit_train 5000 --runs binary   # a quick look
   # GPU, time per epoch (median of epochs 2..N excludes compilation), kernels for frozen inference:
   python examples/fashion_mnist.py --epochs 3 --runs float,binary,w4,w2 --out_dir $OUT/fmnist \
-      --freeze_implementation pallas --no_tqdm
+      --freeze_implementation triton --no_tqdm
 """
 
 from __future__ import annotations
@@ -342,7 +342,9 @@ def main(argv=None):
   p.add_argument("--act_scale_lr_mult", type=float, default=0.01,
                  help="learning-rate multiplier of the learned input scales (scale_a)")
   p.add_argument("--limit_train", type=int, default=0, help="use only the first N training images")
-  p.add_argument("--freeze_implementation", default="xla", help="xla | pallas | interpret")
+  p.add_argument("--freeze_implementation", default="xla",
+                 choices=("auto", "xla", "triton", "mosaic", "interpret"),
+                 help="where the frozen model's products run (qtrain.freeze)")
   p.add_argument("--api", default="qlayers", choices=("qlayers", "rules"),
                  help="qlayers: qtrain.qlayers.QConv/QDense; rules: nn.Conv/nn.Dense + "
                       "qtrain.quantize_model with the same quantization as QtRules")

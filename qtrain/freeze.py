@@ -1,203 +1,174 @@
-"""Export: trained QT params -> packed weights + scales, and the packed inference path.
+"""Export: trained QT weights -> packed weights + scales, and the packed inference path.
 
-:func:`freeze` quantizes each quantized layer's kernel exactly as the
-training forward did (same calibration, same rounding, so the same codes and
-scales) and stores it as a :class:`FrozenLayer`:
+:func:`freeze` quantizes each quantized op's weight exactly as the training
+forward did (the QT op's own quantization function and spec, so the same
+codes and scales) and stores it packed as a :class:`FrozenLayer`: codes
+``(N, K)`` - output features by the flattened contraction, in the op's own
+contracting order - packed along K in the :mod:`qtrain.core.packing` layout
+(uint32 words, K-contiguous, LSB first; binary bit 1 = +1), with
+per-output-channel scales ``(N,)`` or group scales / zero points ``(N, G)``.
+Only integer-like weights can be packed (binary, ternary, int2, int4, int8):
+**fp8 weights cannot be frozen**; freeze raises naming the layer.
 
-* weights stored ``(N, K)`` - output channels by the contracting axis, the
-  layout the kernels want - and packed along K in the
-  :mod:`qtrain.core.packing` layout (uint32 words, K-contiguous, LSB first;
-  binary bit 1 = +1). A conv kernel HWIO becomes ``(O, I*H*W)`` with K
-  ordered channel-major (``i * H * W + h * W + w``), the patch order of
-  :func:`jax.lax.conv_general_dilated_patches`;
-* per-output-channel scales ``(N,)`` or group scales / zero points ``(N, G)``;
-* the layer's input quantization: a learned ``scale_a`` and ``bias_a``
-  (bitorch), or a calibration to run at inference (larq: fixed 1; XNOR:
-  ``mean|x|`` per row), and the float ``bias``.
+What it freezes, and how the frozen model runs:
 
-:func:`apply_layer` runs one frozen layer; :func:`apply_frozen` runs a whole
-Flax model with its :class:`~qtrain.qlayers.QDense` / :class:`~qtrain.qlayers.QConv`
-layers replaced by their frozen versions (``nn.intercept_methods``), the rest
-(float layers, batch norm) from the remaining variables. ``implementation``:
+* A model quantized with :func:`qtrain.quantize_model` (linen): ``freeze(variables,
+  provider)`` with the :class:`~qtrain.QtProvider` the model ran with (or the
+  quantized model). Every op the provider recorded as quantized is frozen
+  from its record: which operand is the weight, which of its axes the op
+  contracts (any ``dot_general`` / ``einsum`` layout: ``Dense``,
+  ``DenseGeneral``, ``Einsum``, the projections of
+  ``MultiHeadDotProductAttention``, a module's own ``jax.lax.dot_general``),
+  or the convolution's kernel layout. The provider records an op each time
+  the quantized model is traced: after ``qmodel.init`` or a training step,
+  or in a new process after ``jax.eval_shape(qmodel.apply, variables, x)``.
+  :func:`apply_frozen` then runs the *float* model under qtrain's
+  interception: each frozen op computes its product from the packed weight
+  with the call's own dimension numbers; every other op runs as in the
+  quantized model (float). The modules still read their ``kernel``: it is
+  a NaN placeholder of the parameter's shape, built inside the call, which
+  the frozen op never reads. Run ``apply_frozen`` under ``jax.jit`` (frozen
+  tree as an argument) and XLA removes the placeholders; an eager call
+  allocates them for its duration. A placeholder read by anything other
+  than its frozen op makes NaNs, never plausible numbers.
+* An nnx model quantized in place by :func:`qtrain.quantize_model`:
+  ``frozen = freeze(model)`` returns a new nnx model (the input is left as
+  it is) in which each quantized op's :class:`~qtrain.model.QtOp` is a
+  :class:`FrozenOp` holding the packed weight as :class:`FrozenWeight`
+  variables and each frozen parameter a static :class:`Placeholder`. Call it
+  like the model (``frozen(x)``, ``nnx.jit``), split / merge it with
+  ``nnx.split`` / ``nnx.merge``, save it with :func:`save_frozen`.
+* Models built from :class:`~qtrain.qlayers.QDense` / :class:`~qtrain.qlayers.QConv`:
+  ``freeze(variables, {path regex: LayerQuant})``. These layers' kernels are
+  ``(K, N)`` / HWIO by definition; they are replaced as whole layers (bias,
+  learned input scale ``scale_a`` and shift ``bias_a`` included). A list of
+  :class:`~qtrain.QtRule` s freezes plain ``nn.Dense`` / ``nn.Conv`` layers
+  the same way (their kernels are ``(K, N)`` / HWIO too); any other module
+  at a frozen path raises at inference: freeze such models with the provider.
 
-* ``"xla"``: unpack the words, exact int8 x int8 -> int32 products (the same
-  math as the training forward's XLA path; convs as an int conv);
-* ``"pallas"`` / ``"interpret"``: the qtrain Pallas kernels
+What cannot be frozen (freeze raises, naming the layer): fp8 weights; layers
+stacked by ``nn.scan`` / ``nn.vmap`` / ``nnx.scan`` / ``nnx.vmap`` (the op
+sees one slice of the parameter); an op whose weight is computed from a
+parameter (a masked convolution's ``kernel * mask``, an einsum that sums
+weight axes first); an op of a module with several parameters of the
+weight's shape, none named ``kernel``. A module's own op must pass the
+parameter itself as its weight (as the QT forward's interception expects).
+
+``implementation`` (the rules' names, :data:`IMPLEMENTATIONS`):
+
+* ``"xla"``: the weight is rebuilt in its own layout and the product is the
+  QT forward's (:func:`qtrain.pallas.dispatch.quantized_dot_general` with the
+  op's dimension numbers; convolutions
+  :func:`~qtrain.core.conv_general_qt.quantized_conv`): the same numbers as
+  the quantized model's forward;
+* ``"auto"``: on a GPU, the Triton kernels on the packed weights where they
+  take the layer, else as ``"xla"`` through dispatch's ``"auto"``; elsewhere
+  the XLA path (the same choice the rules' default makes, so on the CPU the
+  same numbers as the quantized model);
+* ``"triton"`` / ``"interpret"``: the qtrain Triton kernels
   (:func:`qtrain.pallas.binary_matmul.binary_matmul`,
-  :func:`qtrain.pallas.nbit_matmul.nbit_matmul`) on GPU / in the Pallas
-  interpreter; convs as im2col (patches of the *quantized* input, so zero
-  padding contributes 0 exactly as in training) + packed matmul;
-* ``"mosaic"``: the Mosaic GPU kernel
-  (:func:`qtrain.pallas.mosaic_matmul.mosaic_matmul`; Hopper, jax >= 0.11) for
-  layers with bf16/f16 inputs or symmetric integer-quantized ones (<= 8 bits,
-  binary included: the int8-activation path), binary/int4/int8 per-channel
-  weights and at most 128 rows; any other layer raises ValueError saying why;
-* ``"auto"``: ``"pallas"`` on GPU, ``"xla"`` elsewhere.
+  :func:`qtrain.pallas.nbit_matmul.nbit_matmul`, int8) on a GPU / in the
+  Pallas interpreter, on prepared weights; the input reshaped to
+  ``(M, K)`` in the weight's K order; convolutions as im2col (patches of the
+  *quantized* input, so zero padding contributes 0 as in training) + the
+  packed matmul. A layer no kernel takes (batch axes in the weight, grouped
+  convolutions, asymmetric or group-scaled inputs, fp8 inputs) raises
+  naming it;
+* ``"mosaic"``: the Mosaic GPU kernels (Hopper, jax >= 0.11) through
+  dispatch, which says why a layer cannot run there.
 
 :func:`layer_sizes` reports bytes per layer (binary layers ~25x smaller than
 float32), :func:`save_frozen` / :func:`load_frozen` round-trip a frozen model
 through orbax.
 
-Example:
-  >>> import jax, jax.numpy as jnp
-  >>> from qtrain import binary, freeze, qlayers
-  >>> layer = qlayers.QDense(8, quant=binary.bitorch())
-  >>> x = jax.random.normal(jax.random.key(0), (4, 64))
-  >>> variables = layer.init(jax.random.key(1), x)
-  >>> frozen = freeze.freeze(variables, {"": binary.bitorch()})
-  >>> fl = frozen["layers"][""]
-  >>> fl.words.shape, fl.words.dtype
-  ((8, 2), dtype('uint32'))
-  >>> y = freeze.apply_frozen(layer, frozen, x)
-  >>> bool(jnp.allclose(y, layer.apply(variables, x), atol=1e-5))
+Example (a rule-quantized linen model):
+  >>> import jax, jax.numpy as jnp, flax.linen as nn, qtrain
+  >>> from qtrain import freeze
+  >>> model = nn.Sequential([nn.DenseGeneral((4, 8)), nn.DenseGeneral(16, axis=(-2, -1))])
+  >>> provider = qtrain.QtProvider([qtrain.QtRule(module_path=".*", weight_qtype="int4",
+  ...                                             act_qtype="int8")])
+  >>> qmodel = qtrain.quantize_model(model, provider)
+  >>> x = jax.random.normal(jax.random.key(0), (2, 32))
+  >>> variables = qmodel.init(jax.random.key(1), x)
+  >>> frozen = freeze.freeze(variables, provider)
+  >>> sorted(frozen["layers"]), frozen["layers"]["layers_1"].words.shape
+  (['layers_0', 'layers_1'], (16, 4))
+  >>> y = jax.jit(lambda fr, x: freeze.apply_frozen(model, fr, x))(frozen, x)
+  >>> bool(jnp.all(y == jax.jit(qmodel.apply)(variables, x)))
   True
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import re
-from typing import Any, Mapping
+from typing import Mapping
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from flax.core import meta as flax_meta
 
+from qtrain import _frozen
 from qtrain.binary import LayerQuant
-from qtrain.core import packing
-from qtrain.core import qarray as qa
-from qtrain.core import qdot
-from qtrain.core import qtypes
+from qtrain._frozen import FrozenLayer
 
-from qtrain.core import qt_operand as _qop
-from qtrain.core.conv_general_qt import quantized_conv
+__all__ = ["FrozenLayer", "FrozenOp", "FrozenWeight", "Placeholder", "freeze", "freeze_layer",
+           "apply_layer", "apply_frozen", "layer_sizes", "save_frozen", "load_frozen",
+           "IMPLEMENTATIONS"]
 
-__all__ = ["FrozenLayer", "freeze", "apply_layer", "apply_frozen", "layer_sizes", "save_frozen",
-           "load_frozen", "IMPLEMENTATIONS"]
-
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "mosaic", "interpret")
-_ARRAY_FIELDS = ("words", "w_scale", "w_zero", "scale_a", "bias_a", "bias")
-
-
-@dataclasses.dataclass(frozen=True)
-class FrozenLayer:
-  """One frozen linear / conv layer (a pytree; metadata static).
-
-  Attributes:
-    words: packed weight (N, ceil(K / values_per_word)) uint32; int8 weights
-      are packed too (4 a word).
-    w_scale: (N,) per-channel or (N, G) group-wise float32 weight scale.
-    w_zero: None, or like ``w_scale``: the zero point, ``w ~ (q - z) * s``.
-    scale_a: None or a float32 scalar: the learned input scale.
-    bias_a: None or (K_in,) float32: the learned input shift (conv: per input channel).
-    bias: None or (N,) float32.
-    kind: ``"dense"`` or ``"conv"``.
-    w_qtype: the weight qtype name.
-    k, n: contracting size and output features.
-    kernel_shape: the trained kernel's shape ((K, N) or HWIO).
-    group_size: K values per weight scale group, or None.
-    act: None (float input) or a dict: ``qtype``, ``calibration`` (method),
-      ``bound`` (for ``fixed``), ``multiplier``, ``channelwise`` - how the
-      input is quantized at inference when no ``scale_a`` is learned.
-  """
-
-  words: jax.Array
-  w_scale: jax.Array
-  w_zero: jax.Array | None
-  scale_a: jax.Array | None
-  bias_a: jax.Array | None
-  bias: jax.Array | None
-  kind: str
-  w_qtype: str
-  k: int
-  n: int
-  kernel_shape: tuple[int, ...]
-  group_size: int | None
-  act: Any  # a hashable tuple of (key, value) pairs, or None
-
-  @property
-  def act_dict(self) -> dict | None:
-    return None if self.act is None else dict(self.act)
-
-  def weight_codes(self) -> jax.Array:
-    """The (N, K) int8 weight codes."""
-    return packing.unpack(self.words, self.w_qtype, size=self.k, axis=-1)
-
-  def meta(self) -> dict:
-    return {"kind": self.kind, "w_qtype": self.w_qtype, "k": self.k, "n": self.n,
-            "kernel_shape": list(self.kernel_shape), "group_size": self.group_size,
-            "act": self.act_dict, "present": [f for f in _ARRAY_FIELDS
-                                              if getattr(self, f) is not None]}
+IMPLEMENTATIONS = _frozen.IMPLEMENTATIONS
+_ARRAY_FIELDS = _frozen.ARRAY_FIELDS
+_FORMAT = "qtrain.freeze/2"
+_STATE_NAMES = ("act_scale", "act_shift", "act_static_scale", "act_static_count")
+_static = getattr(nnx, "static", lambda v: v)
+_data = getattr(nnx, "data", lambda v: v)
 
 
-jax.tree_util.register_dataclass(
-    FrozenLayer, data_fields=list(_ARRAY_FIELDS),
-    meta_fields=["kind", "w_qtype", "k", "n", "kernel_shape", "group_size", "act"])
+def _where(path: str, op_id: str | None = None) -> str:
+  p = path or "<root>"
+  return p if op_id is None else f"{p} ({op_id})"
 
 
-def _act_meta(lq: LayerQuant):
-  a = lq.act
-  if a is None:
-    return None
-  if a.qtype.kind not in ("binary", "int", "ternary"):
-    raise ValueError(f"freeze: input qtype {a.qtype.name!r} is not supported (binary/int only)")
-  cal = a.calibration
-  return tuple(sorted(dict(qtype=a.qtype.name, calibration=cal.method, bound=cal.bound,
-                           multiplier=cal.multiplier, percentile=cal.percentile,
-                           channelwise=bool(a.channelwise)).items()))
+# ----------------------------------------------------------------------------
+# Freezing whole layers: qlayers.QDense / QConv, or nn.Dense / nn.Conv from rules.
 
 
-def freeze_layer(params: Mapping[str, jax.Array], lq: LayerQuant) -> FrozenLayer:
-  """Freezes one layer's params (``kernel``, optional ``bias``/``scale_a``/``bias_a``)."""
+def freeze_layer(params: Mapping[str, jax.Array], lq: LayerQuant, *, where: str = "") -> FrozenLayer:
+  """Freezes one QDense / QConv-style layer: ``kernel`` (``(K, N)`` or HWIO) and optional
+  ``bias`` / ``scale_a`` / ``bias_a`` (or the provider's ``<op>_act_scale`` / ``_act_shift``)."""
   if lq.weight is None:
-    raise ValueError("freeze needs a quantized weight (LayerQuant.weight is None)")
-  if not lq.weight.qtype.packable:
-    raise ValueError(f"weight qtype {lq.weight.qtype.name!r} cannot be packed")
-  kernel = jnp.asarray(params["kernel"], jnp.float32)
-  if kernel.ndim == 2:
-    kind, k, n = "dense", kernel.shape[0], kernel.shape[1]
-    wop = lq.weight
-    spec = _qop.operand_spec(wop, 2, (1,), 0)
-    q = qa.quantize(kernel, spec)
-    codes = q.qvalue.T                                   # (N, K)
-    per_n = lambda a: jnp.broadcast_to(a, (a.shape[0], n)).T
-    scale = per_n(q.scale)                               # (N, G) or (N, 1)
-    zero = None if q.zero_point is None else per_n(q.zero_point)
-    group = wop.tile_size
-  elif kernel.ndim >= 3:
-    kind = "conv"
-    wop = lq.conv_config().rhs
-    nd = kernel.ndim
-    spec = _qop.operand_spec(wop, nd, (nd - 1,), None)
-    q = qa.quantize(kernel, spec)
-    n = kernel.shape[-1]
-    perm = (nd - 1, nd - 2) + tuple(range(nd - 2))        # HWIO -> OIHW
-    codes = jnp.transpose(q.qvalue, perm).reshape(n, -1)
-    k = codes.shape[1]
-    per_n = lambda a: jnp.broadcast_to(a, (1,) * (nd - 1) + (n,)).reshape(n, 1)
-    scale = per_n(q.scale)
-    zero = None if q.zero_point is None else per_n(q.zero_point)
-    group = None
-  else:
-    raise ValueError(f"kernel of shape {kernel.shape}: expected a Dense (K, N) or conv HWIO kernel")
-  if scale.shape[1] == 1:
-    scale = scale[:, 0]
-    zero = None if zero is None else zero[:, 0]
-    group = None
+    raise ValueError(f"freeze: layer {_where(where)!r}: LayerQuant.weight is None (freeze needs "
+                     "a quantized weight)")
+  raw = flax_meta.unbox(params["kernel"])
+  kernel = jnp.asarray(raw, jnp.float32)
+
   def get(*names):
     """The param under one of ``names`` (qlayers' name or the provider's ``<op>0_<name>``)."""
     found = [k for k in params for nm in names if k == nm or k.endswith("_" + nm)]
     if len(found) > 1:
-      raise ValueError(f"freeze: several {names} params in one layer: {found}")
-    return jnp.asarray(params[found[0]], jnp.float32) if found else None
+      raise ValueError(f"freeze: layer {_where(where)!r}: several {names} params: {found}")
+    return jnp.asarray(flax_meta.unbox(params[found[0]]), jnp.float32) if found else None
 
-  return FrozenLayer(
-      words=packing.pack(codes.astype(jnp.int8), wop.qtype, axis=-1), w_scale=scale,
-      w_zero=zero, scale_a=get("scale_a", "act_scale"), bias_a=get("bias_a", "act_shift"),
-      bias=get("bias"), kind=kind,
-      w_qtype=wop.qtype.name, k=int(k), n=int(n), kernel_shape=tuple(int(d) for d in kernel.shape),
-      group_size=group, act=_act_meta(lq))
+  scale_a = get("scale_a", "act_scale")
+  fields = dict(scale_a=scale_a, bias_a=get("bias_a", "act_shift"), bias=get("bias"),
+                weight_dtype="float32", param="kernel", param_dtype=jnp.dtype(raw.dtype).name)
+  scale = "given" if scale_a is not None else None
+  if kernel.ndim == 2:
+    return _frozen.build_dot(kernel, contract=(0,), batch=(), w_cfg=lq.weight,
+                             where=_where(where), act=_frozen.act_meta(lq.act, scale), **fields)
+  if kernel.ndim >= 3:
+    cc = lq.conv_config()
+    nd = kernel.ndim
+    return _frozen.build_conv(kernel, rhs_spec=(nd - 1, nd - 2) + tuple(range(nd - 2)),
+                              w_cfg=cc.rhs, where=_where(where),
+                              act=_frozen.act_meta(cc.lhs, scale), **fields)
+  raise ValueError(f"freeze: layer {_where(where)!r}: kernel of shape {kernel.shape}; expected a "
+                   "Dense (K, N) or conv HWIO kernel")
 
 
 def _kernel_paths(params, prefix=()):
@@ -211,7 +182,8 @@ def _kernel_paths(params, prefix=()):
 
 
 def _is_qtrule(r) -> bool:
-  return type(r).__name__ == "QtRule" and hasattr(r, "matches")
+  from qtrain.rules import QtRule
+  return isinstance(r, QtRule)
 
 
 def _match(rules, path: str, conv: bool):
@@ -227,7 +199,7 @@ def _match(rules, path: str, conv: bool):
 
 
 def _remove(tree: Mapping, path: tuple[str, ...]):
-  """``tree`` without the sub-dict at ``path`` (empty parents dropped)."""
+  """``tree`` without the entry at ``path`` (empty parents dropped)."""
   if not path:
     return {}
   out = {}
@@ -242,228 +214,401 @@ def _remove(tree: Mapping, path: tuple[str, ...]):
   return out
 
 
-def freeze(variables, layer_quants) -> dict:
-  """Freezes the quantized layers of a trained model.
+def _set_in(tree: Mapping, path: tuple[str, ...], value) -> dict:
+  out = dict(tree)
+  if len(path) == 1:
+    out[path[0]] = value
+  else:
+    out[path[0]] = _set_in(tree.get(path[0], {}), path[1:], value)
+  return out
 
-  Args:
-    variables: ``{"params": ..., <other collections>}`` (or a bare params dict).
-    layer_quants: a list of :class:`qtrain.QtRule` (the rules the model was
-      trained with through :func:`qtrain.quantize_model`; a layer gets the
-      first rule matching its path and op), or
-      ``{path regex: LayerQuant or None}`` (or a sequence of pairs),
-      matched with ``re.fullmatch`` against the ``/``-joined module path of
-      every params sub-dict that holds a ``kernel``; the first match wins;
-      None or a float LayerQuant leaves the layer float. (``""`` is the root:
-      a single layer frozen on its own.)
 
-  Returns:
-    ``{"layers": {path: FrozenLayer}, "variables": the variables without the
-    frozen layers' params}``.
-  """
-  if "params" not in variables:
-    variables = {"params": variables}
-  if hasattr(layer_quants, "rules") and not isinstance(layer_quants, Mapping):
-    layer_quants = layer_quants.rules  # a QtProvider
-  rules = list(layer_quants.items()) if isinstance(layer_quants, Mapping) else list(layer_quants)
+def _freeze_layers(variables, rules) -> dict:
   layers = {}
-  rest = dict(variables)
   params = variables["params"]
   new_params = params
   for path, sub in list(_kernel_paths(params)):
     p = "/".join(path)
-    lq = _match(rules, p, conv=jnp.ndim(sub["kernel"]) >= 3)
+    lq = _match(rules, p, conv=jnp.ndim(flax_meta.unbox(sub["kernel"])) >= 3)
     if lq is None or lq.weight is None:
       continue
-    layers[p] = freeze_layer(sub, lq)
+    layers[p] = freeze_layer(sub, lq, where=p)
     new_params = _remove(new_params, path)
-  rest["params"] = new_params
+  return {"layers": layers, "variables": {**variables, "params": new_params}}
+
+
+# ----------------------------------------------------------------------------
+# Freezing ops from the provider's records (linen and nnx).
+
+
+def _weight_param(module_params: Mapping, shape, where: str) -> str:
+  """The name of the module's parameter that is the op's weight operand (by shape)."""
+  shape = tuple(shape)
+  own = {k: v for k, v in module_params.items()
+         if not isinstance(v, Mapping) and not k.endswith(("_act_scale", "_act_shift"))}
+  hits = [k for k, v in own.items() if tuple(np.shape(v)) == shape]
+  if "kernel" in hits:
+    return "kernel"
+  if len(hits) == 1:
+    return hits[0]
+  if not hits:
+    stacked = [k for k, v in own.items() if tuple(np.shape(v))[1:] == shape]
+    if stacked:
+      raise ValueError(f"freeze: layer {where!r}: parameter {stacked[0]!r} has shape "
+                       f"{tuple(np.shape(own[stacked[0]]))}, the op's weight {shape}: layers "
+                       "stacked by nn.scan / nn.vmap / nnx.scan / nnx.vmap cannot be frozen")
+    raise ValueError(f"freeze: layer {where!r}: no parameter of the module has the weight's shape "
+                     f"{shape} (parameters: { {k: tuple(np.shape(v)) for k, v in own.items()} }); "
+                     "an op whose weight is computed from parameters cannot be frozen")
+  raise ValueError(f"freeze: layer {where!r}: parameters {hits} all have the weight's shape "
+                   f"{shape}; name the weight 'kernel' to freeze this op")
+
+
+def _from_record(rec, provider, module_params: Mapping, state: Mapping, where: str) -> FrozenLayer:
+  """The FrozenLayer of one op the provider recorded as quantized."""
+  if rec.contraction is None:
+    raise ValueError(f"freeze: the record of {where!r} says nothing of its contraction (recorded "
+                     "by an older qtrain?): run the quantized model once again")
+  rule = provider.rules[rec.rule_index]
+  conv = rec.op_name == "conv_general_dilated"
+  if conv:
+    _, (_, rhs_spec, _), _, shapes, dtypes = rec.contraction
+  else:
+    _, dn, shapes, dtypes = rec.contraction
+  w_idx = {"lhs": 0, "rhs": 1}[rec.weight_operand]
+  name = _weight_param(module_params, shapes[w_idx], where)
+  raw = flax_meta.unbox(module_params[name])
+  scale_kind, scale_a, bias_a = None, None, None
+
+  def need(key, why):
+    if state.get(key) is None:
+      raise ValueError(f"freeze: layer {where!r}: its rule keeps {why}, but the variables hold "
+                       f"no {key!r} for it (pass all collections, e.g. 'quant_stats')")
+    return jnp.asarray(state[key])  # as stored: the QT op reads it as is
+
+  if rule.act_qtype is not None:
+    if rule.act_learnable_scale:
+      scale_kind, scale_a = "given", need("act_scale", "a learned input scale")
+    elif rule.act_static_scale:
+      s = need("act_static_scale", "a static input scale")
+      if float(need("act_static_count", "a static input scale")) > 0:
+        scale_kind, scale_a = "given", s
+      else:  # never calibrated: the QT op calibrates one scale per batch, as here
+        scale_kind = "batch"
+    if rule.act_learnable_shift:
+      bias_a = need("act_shift", "a learned input shift")
+  a_cfg = provider._operand(rule, weight=False, given_scale=scale_kind is not None, conv=conv)
+  fields = dict(scale_a=scale_a, bias_a=bias_a, bias=None, act=_frozen.act_meta(a_cfg, scale_kind),
+                weight_operand=w_idx, weight_dtype=dtypes[w_idx], param=name,
+                param_dtype=jnp.dtype(raw.dtype).name, op_id=rec.op_id, op_name=rec.op_name)
+  w_cfg = provider._operand(rule, weight=True, given_scale=False, conv=conv)
+  kernel = jnp.asarray(raw).astype(dtypes[w_idx])  # the module's cast, as the op saw it
+  if conv:
+    return _frozen.build_conv(kernel, rhs_spec=rhs_spec, w_cfg=w_cfg, where=where, **fields)
+  return _frozen.build_dot(kernel, contract=dn[0][w_idx], batch=dn[1][w_idx], w_cfg=w_cfg,
+                           where=where, **fields)
+
+
+def _subtree(tree: Mapping, path: str, where: str, what: str) -> Mapping:
+  node = tree
+  for part in (path.split("/") if path else []):
+    if not isinstance(node, Mapping) or part not in node:
+      raise ValueError(f"freeze: the provider recorded an op of module {where!r}, but the "
+                       f"variables hold no {what} for it: pass the variables of the model the "
+                       "provider ran with")
+    node = node[part]
+  return node
+
+
+def _records(provider):
+  recs = provider.records()
+  if not recs:
+    raise ValueError(
+        "freeze: the provider has recorded no op, so freeze cannot tell how each op uses its "
+        "weight: run the quantized model once first (qmodel.init, a step, or, costing no "
+        "compute, jax.eval_shape(qmodel.apply, variables, x))")
+  return recs
+
+
+def _layer_key(path: str, op_id: str, counts) -> str:
+  return path if counts[path] == 1 else f"{path}:{op_id}"
+
+
+def _layer_path(key: str, layer: FrozenLayer) -> str:
+  suffix = f":{layer.op_id}"
+  return key[:-len(suffix)] if layer.op_id and key.endswith(suffix) else key
+
+
+def _freeze_records(variables, provider) -> dict:
+  from qtrain import provider as provider_lib
+
+  recs = [r for r in _records(provider) if r.status == provider_lib.QUANTIZED]
+  recs.sort(key=lambda r: (r.path, r.op_id))
+  counts = collections.Counter(r.path for r in recs)
+  params = variables["params"]
+  stats = variables.get("quant_stats", {})
+  layers, drop_params, drop_stats = {}, set(), set()
+  for r in recs:
+    where = _where(r.path, r.op_id)
+    split = tuple(r.path.split("/")) if r.path else ()
+    mod = _subtree(params, r.path, where, "params")
+    mod_stats = stats
+    for part in split:
+      mod_stats = mod_stats.get(part, {}) if isinstance(mod_stats, Mapping) else {}
+    state = {n: flax_meta.unbox(mod.get(f"{r.op_id}_{n}")) for n in ("act_scale", "act_shift")}
+    state.update({n: mod_stats.get(f"{r.op_id}_{n}") for n in ("act_static_scale",
+                                                               "act_static_count")})
+    layer = _from_record(r, provider, mod, state, where)
+    layers[_layer_key(r.path, r.op_id, counts)] = layer
+    drop_params.add(split + (layer.param,))
+    drop_params.update(split + (f"{r.op_id}_{n}",) for n in ("act_scale", "act_shift")
+                       if state[n] is not None)
+    drop_stats.update(split + (f"{r.op_id}_{n}",) for n in ("act_static_scale",
+                                                           "act_static_count")
+                      if state[n] is not None)
+  rest = dict(variables)
+  for path in sorted(drop_params):
+    rest["params"] = _remove(rest["params"], path)
+  if drop_stats:
+    for path in sorted(drop_stats):
+      rest["quant_stats"] = _remove(rest["quant_stats"], path)
+    if not rest["quant_stats"]:
+      del rest["quant_stats"]
   return {"layers": layers, "variables": rest}
+
+
+# ----------------------------------------------------------------------------
+# nnx.
+
+
+def _check_unmasked(module, where: str) -> None:
+  """A masked layer's op multiplies ``kernel * mask``, not the parameter freeze would pack."""
+  if getattr(module, "mask", None) is not None:
+    raise ValueError(f"freeze: layer {where!r} ({type(module).__name__}) has a mask: its op's "
+                     "weight is kernel * mask, not a parameter, and cannot be frozen")
+
+
+class FrozenWeight(nnx.Variable):
+  """nnx state of a frozen layer (packed weights, scales, input scale / shift): not trained."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Placeholder:
+  """Stands in for a frozen float parameter of an nnx module (static).
+
+  Reading it (``p[...]``, ``p.value``) gives NaNs of the parameter's shape and
+  dtype, built where they are read: the frozen op ignores them (dead code
+  under jit), anything else that reads them makes NaNs, never plausible
+  numbers.
+  """
+
+  shape: tuple[int, ...]
+  dtype: str
+
+  def __getitem__(self, index):
+    return jnp.full(self.shape, jnp.nan, self.dtype)[index]
+
+  @property
+  def value(self):
+    return self[...]
+
+  def get_value(self):
+    return self[...]
+
+
+class FrozenOp(nnx.Module):
+  """The op an nnx layer calls in place of its ``dot_general`` / ``einsum_op`` /
+  ``conv_general_dilated`` attribute once frozen: the product from the packed weight.
+
+  Attributes:
+    path: the layer's module path.
+    op_name: ``dot_general``, ``einsum`` or ``conv_general_dilated``.
+    implementation: where products run (see the module docstring; set by
+      :func:`apply_frozen`).
+  """
+
+  def __init__(self, layer: FrozenLayer, *, path: str, op_name: str, implementation: str = "auto"):
+    self.path = path
+    self.op_name = op_name
+    self.implementation = _frozen.check_implementation(implementation)
+    self.spec = _static(dataclasses.replace(layer, **{f: None for f in _ARRAY_FIELDS}))
+    for f in _ARRAY_FIELDS:
+      if getattr(layer, f) is not None:
+        setattr(self, f, FrozenWeight(getattr(layer, f)))
+
+  @property
+  def layer(self) -> FrozenLayer:
+    arrays = {f: getattr(self, f)[...] for f in _ARRAY_FIELDS if hasattr(self, f)}
+    return dataclasses.replace(self.spec, **arrays)
+
+  def __call__(self, *args, **kwargs):
+    if kwargs.pop("out_sharding", None) is not None:
+      raise NotImplementedError(f"frozen layer {_where(self.path)!r}: out_sharding is not "
+                                "supported")
+    if self.op_name == "dot_general":
+      return self._dot_general(*args, **kwargs)
+    if self.op_name == "einsum":
+      subscripts, *operands = args
+      return _frozen.einsum(self.layer, subscripts, operands, kwargs, weight_operand=1,
+                            implementation=self.implementation, where=_where(self.path))
+    return _frozen.conv_general_dilated(self.layer, *args, **kwargs,
+                                        implementation=self.implementation,
+                                        where=_where(self.path))
+
+  def _dot_general(self, lhs, rhs, dimension_numbers, precision=None,
+                   preferred_element_type=None):
+    del precision  # a product of quantized values has its own (the QT op's) precision
+    return _frozen.dot_general(self.layer, lhs, rhs, dimension_numbers,
+                               preferred_element_type=preferred_element_type, weight_operand=1,
+                               implementation=self.implementation, where=_where(self.path))
+
+
+_NNX_HOOKS = ("dot_general", "einsum_op", "conv_general_dilated")
+
+
+def _nnx_hooks(model, cls):
+  """(path, owner module, attribute, op) of every ``cls`` op attribute in ``model``."""
+  out = []
+  for path, node in nnx.iter_graph(model):
+    if not isinstance(node, nnx.Module):
+      continue
+    for attr in _NNX_HOOKS:
+      op = vars(node).get(attr)
+      if isinstance(op, cls):
+        out.append(("/".join(str(p) for p in path), node, attr, op))
+  return out
+
+
+def _vget(v):
+  return v.get_value() if hasattr(v, "get_value") else v.value
+
+
+def _freeze_nnx(model, provider=None):
+  from qtrain import model as model_lib
+  from qtrain import provider as provider_lib
+
+  frozen = nnx.clone(model)
+  hooks = _nnx_hooks(frozen, model_lib.QtOp)
+  if not hooks:
+    raise ValueError("freeze: this nnx model has no quantized op: quantize it with "
+                     "qtrain.quantize_model(model, provider, ...) and run it once first")
+  recs = {}
+  for _, _, _, op in hooks:
+    if provider is not None and op.provider is not provider:
+      raise ValueError(f"freeze: the op of nnx module {_where(op.path)!r} was quantized by "
+                       f"another provider than the one given ({provider!r})")
+    recs.update({(r.path, r.op_id): r for r in _records(op.provider)})
+  for _, node, attr, op in hooks:
+    op_id = f"{op.op_name}0"
+    where = _where(op.path, op_id)
+    rec = recs.get((op.path, op_id))
+    if rec is None:
+      raise ValueError(f"freeze: the op of nnx module {where!r} has not run yet: call the model "
+                       "once (or pass sample inputs to quantize_model) before freezing")
+    if rec.status != provider_lib.QUANTIZED:  # left in float by the QT model: float here too
+      setattr(node, attr, _static(op.original))
+      continue
+    _check_unmasked(node, where)
+    params = {k: _vget(v) for k, v in vars(node).items() if isinstance(v, nnx.Param)}
+    state = {n: _vget(getattr(op, n)) for n in _STATE_NAMES if getattr(op, n, None) is not None}
+    layer = _from_record(rec, op.provider, params, state, where)
+    setattr(node, attr, _data(FrozenOp(layer, path=op.path, op_name=op.op_name)))
+    setattr(node, layer.param, _static(Placeholder(layer.kernel_shape, layer.param_dtype)))
+  return frozen
+
+
+# ----------------------------------------------------------------------------
+# The public entry point.
+
+
+def freeze(variables, layer_quants=None):
+  """Freezes the quantized ops / layers of a trained model.
+
+  Args:
+    variables: linen: ``{"params": ..., <other collections>}`` (or a bare
+      params dict). nnx: the model quantized in place by
+      :func:`qtrain.quantize_model`, after it has run once.
+    layer_quants: linen: the :class:`~qtrain.QtProvider` the model was
+      trained with, or the quantized model (``qtrain.quantize_model``'s
+      result): every op it recorded as quantized is frozen (see the module
+      docstring). For models of :mod:`qtrain.qlayers` layers,
+      ``{path regex: LayerQuant or None}`` (or a sequence of pairs), matched
+      with ``re.fullmatch`` against the ``/``-joined module path of every
+      params sub-dict that holds a ``kernel`` (first match wins; None or a
+      float LayerQuant leaves the layer float; ``""`` is the root); a list
+      of :class:`~qtrain.QtRule` s does the same for plain ``nn.Dense`` /
+      ``nn.Conv`` layers. nnx: None, or the model's provider.
+
+  Returns:
+    linen: ``{"layers": {key: FrozenLayer}, "variables": the variables
+    without the frozen weights (and the frozen ops' input scales / shifts)}``;
+    a key is the module path, or ``"<path>:<op id>"`` for a module with
+    several frozen ops. nnx: a new, frozen nnx model.
+
+  Raises:
+    ValueError: a weight that cannot be frozen (fp8), records missing or
+      not matching the variables; the message names the layer.
+  """
+  if isinstance(variables, nnx.Module):
+    return _freeze_nnx(variables, layer_quants)
+  from qtrain import model as model_lib
+  from qtrain import provider as provider_lib
+
+  if isinstance(layer_quants, model_lib.QtLinenModel):
+    layer_quants = layer_quants.provider
+  if "params" not in variables:
+    variables = {"params": variables}
+  if isinstance(layer_quants, provider_lib.QtProvider):
+    return _freeze_records(variables, layer_quants)
+  if layer_quants is None:
+    raise ValueError("freeze(variables, layer_quants): pass the QtProvider the model ran with "
+                     "(or {path regex: LayerQuant} for qtrain.qlayers models)")
+  rules = list(layer_quants.items()) if isinstance(layer_quants, Mapping) else list(layer_quants)
+  return _freeze_layers(variables, rules)
 
 
 # ----------------------------------------------------------------------------
 # Inference.
 
 
-def _resolve_impl(implementation: str) -> str:
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation={implementation!r}; valid: {list(IMPLEMENTATIONS)}")
-  if implementation == "auto":
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
-  return implementation
-
-
-def _quantize_input(layer: FrozenLayer, x: jax.Array, batch_axes: tuple[int, ...]):
-  """The input as a QArray (training's rule), or float x when the input is float."""
-  if layer.bias_a is not None:
-    x = x + layer.bias_a.astype(x.dtype)
-  act = layer.act_dict
-  if act is None:
-    return x
-  qt = qtypes.get_qtype(act["qtype"])
-  if layer.scale_a is not None:
-    s = jnp.reshape(layer.scale_a, (1,) * x.ndim)
-    return qa.quantize_with_scale(x, qt, s)
-  cal = qa.Calibration(method=act["calibration"], bound=act["bound"],
-                       multiplier=act["multiplier"], percentile=act["percentile"])
-  spec = qa.QuantizeSpec(qtype=qt, channelwise_axes=batch_axes if act["channelwise"] else (),
-                         calibration=cal)
-  return qa.quantize(x, spec)
-
-
-def _weight_qarray(layer: FrozenLayer) -> qa.QArray:
-  """(N, K) weight QArray (scale (N, 1) or (N, G))."""
-  s = layer.w_scale if layer.w_scale.ndim == 2 else layer.w_scale[:, None]
-  z = None
-  if layer.w_zero is not None:
-    z = layer.w_zero if layer.w_zero.ndim == 2 else layer.w_zero[:, None]
-  return qa.QArray(qvalue=layer.weight_codes(), scale=s, zero_point=z,
-                   qtype=qtypes.get_qtype(layer.w_qtype))
-
-
-def _matmul_xla(xq, layer: FrozenLayer, out_dtype):
-  """(M, K) input (QArray or float) x frozen weight -> (M, N)."""
-  return qdot.dot_general_quantized_xla(xq, _weight_qarray(layer), (((1,), (1,)), ((), ())),
-                                        preferred_element_type=out_dtype)
-
-
-def _matmul_pallas(xq, layer: FrozenLayer, out_dtype, interpret: bool):
-  """(M, K) input x frozen weight through the qtrain Pallas kernels."""
-  from qtrain.pallas import binary_matmul as bm
-  from qtrain.pallas import nbit_matmul as nm
-  from qtrain.pallas import prepared
-
-  is_q = qdot.is_quantized(xq)
-  if is_q and xq.zero_point is not None:
-    return _matmul_xla(xq, layer, out_dtype)  # asymmetric inputs: no kernel path
-  if is_q:
-    x_in = xq.qvalue.astype(jnp.int8)
-    x_scale = jnp.broadcast_to(xq.scale, (xq.shape[0], 1))[:, 0]
-  else:
-    x_in, x_scale = xq, None
-  zero_fix = None
-  if layer.w_qtype == "binary":
-    pw = prepared.prepare_weight(layer.words, "binary", scale=layer.w_scale, k=layer.k)
-    out = bm.binary_matmul(x_in, pw, x_scale=x_scale, out_dtype=jnp.float32, interpret=interpret)
-  else:
-    grouped = layer.w_scale.ndim == 2
-    try:
-      if grouped:
-        pw = prepared.prepare_weight(layer.words, layer.w_qtype, scale=layer.w_scale,
-                                     zero_point=layer.w_zero, group_size=layer.group_size,
-                                     k=layer.k)
-      else:
-        pw = prepared.prepare_weight(layer.words, layer.w_qtype, scale=layer.w_scale, k=layer.k)
-        if layer.w_zero is not None:
-          # (q - z) * s per channel: x @ (q s)^T - rowsum(x) (z s).
-          zero_fix = (layer.w_zero * layer.w_scale)[None, :]
-    except ValueError:
-      return _matmul_xla(xq, layer, out_dtype)  # a layout the kernels do not take
-    out = nm.nbit_matmul(x_in, pw, x_scale=x_scale, out_dtype=jnp.float32, interpret=interpret)
-    if zero_fix is not None:
-      xs = x_in.astype(jnp.float32)
-      rs = jnp.sum(xs, axis=1, keepdims=True)
-      if x_scale is not None:
-        rs = rs * x_scale[:, None]
-      out = out - rs * zero_fix
-  return out.astype(out_dtype)
-
-
-def _matmul_mosaic(xq, layer: FrozenLayer, out_dtype):
-  """(M, K) input (bf16/f16, or an integer QArray) x frozen weight through the Mosaic
-  GPU kernel (dispatch says why a layer cannot run there)."""
-  from qtrain.pallas import dispatch
-  return dispatch.quantized_dot_general(xq, _weight_qarray(layer), (((1,), (1,)), ((), ())),
-                                        preferred_element_type=out_dtype,
-                                        implementation="mosaic")
-
-
-def _matmul(xq, layer, out_dtype, impl):
-  if impl == "xla":
-    return _matmul_xla(xq, layer, out_dtype)
-  if impl == "mosaic":
-    return _matmul_mosaic(xq, layer, out_dtype)
-  return _matmul_pallas(xq, layer, out_dtype, interpret=(impl == "interpret"))
-
-
-def _flatten_rows(xq, k: int):
-  """(..., K) QArray/float -> (M, K) with a per-row scale."""
-  if not qdot.is_quantized(xq):
-    return xq.reshape(-1, k)
-  lead = xq.shape[:-1]
-  full = lambda a: None if a is None else jnp.broadcast_to(
-      qa.expand_scale(a, xq.shape)[..., :1], lead + (1,)).reshape(-1, 1)
-  return qa.QArray(qvalue=xq.qvalue.reshape(-1, k), scale=full(xq.scale),
-                   zero_point=full(xq.zero_point), qtype=xq.qtype)
-
-
 def apply_layer(layer: FrozenLayer, x: jax.Array, *, strides=None, padding="SAME",
                 implementation: str = "auto") -> jax.Array:
-  """Runs one frozen layer on ``x`` (dense: (..., K); conv: NHWC).
+  """Runs one whole frozen layer (:func:`freeze_layer`'s) on ``x`` (dense: ``(..., K)``;
+  conv: NHWC, with the layer's ``strides`` and ``padding``), bias included.
 
   Args:
-    layer: a :class:`FrozenLayer`.
+    layer: a :class:`FrozenLayer` of a ``(K, N)`` or HWIO kernel.
     x: the float input.
-    strides, padding: conv window strides and padding (as the trained QConv).
-    implementation: ``"auto"``, ``"xla"``, ``"pallas"``, ``"mosaic"`` or
-      ``"interpret"`` (see the module docstring).
+    strides, padding: conv window strides and padding (as the trained layer).
+    implementation: see the module docstring.
   """
-  impl = _resolve_impl(implementation)
-  out_dtype = jnp.result_type(x) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else jnp.float32
-  if layer.kind == "dense":
-    lead = x.shape[:-1]
-    xq = _quantize_input(layer, x, tuple(range(x.ndim - 1)))
-    y = _matmul(_flatten_rows(xq, layer.k), layer, out_dtype, impl).reshape(lead + (layer.n,))
+  return _apply_layer(layer, x, strides=strides, padding=padding,
+                      implementation=_frozen.check_implementation(implementation), where="<layer>")
+
+
+def _apply_layer(layer, x, *, strides, padding, implementation, where):
+  out_dtype = jnp.result_type(x)
+  if layer.kind == "dot":
+    if layer.layout != ((0,), ()) or len(layer.kernel_shape) != 2 or layer.weight_operand != 1:
+      raise ValueError(f"frozen layer {where!r} is not a (K, N) dense layer (layout "
+                       f"{layer.layout}): run it in its model with apply_frozen")
+    dn = (((x.ndim - 1,), (0,)), ((), ()))
+    y = _frozen.dot_general(layer, x, None, dn, preferred_element_type=out_dtype,
+                            implementation=implementation, where=where)
   else:
-    y = _apply_conv(layer, x, strides, padding, impl, out_dtype)
+    ks = layer.kernel_shape
+    nsp = len(ks) - 2
+    if isinstance(strides, int):
+      strides = (strides,) * nsp
+    strides = tuple(strides) if strides else (1,) * nsp
+    spatial = "HWD"[:nsp]
+    dn = ("N" + spatial + "C", spatial + "IO", "N" + spatial + "C")
+    y = _frozen.conv_general_dilated(layer, x, None, strides, padding, dimension_numbers=dn,
+                                     preferred_element_type=out_dtype,
+                                     implementation=implementation, where=where)
   if layer.bias is not None:
     y = y + layer.bias.astype(y.dtype)
   return y
-
-
-def _apply_conv(layer: FrozenLayer, x, strides, padding, impl, out_dtype):
-  ks = layer.kernel_shape
-  nsp = len(ks) - 2
-  if isinstance(strides, int):
-    strides = (strides,) * nsp
-  strides = tuple(strides) if strides else (1,) * nsp
-  spatial = "HWD"[:nsp]
-  dn = ("N" + spatial + "C", spatial + "IO", "N" + spatial + "C")
-  xq = _quantize_input(layer, x, (0,))
-  cin = ks[-2]
-  if impl == "xla":
-    # The training forward's math: an exact int conv over codes, scales after.
-    codes = layer.weight_codes()                                       # (O, I*prod(S))
-    w_oi = codes.reshape((layer.n, cin) + tuple(ks[:nsp]))
-    perm = tuple(range(2, 2 + nsp)) + (1, 0)                           # OI(S) -> (S)IO
-    wq = qa.QArray(qvalue=jnp.transpose(w_oi, perm),
-                   scale=layer.w_scale.reshape((1,) * (nsp + 1) + (layer.n,)),
-                   zero_point=None if layer.w_zero is None else
-                   layer.w_zero.reshape((1,) * (nsp + 1) + (layer.n,)),
-                   qtype=qtypes.get_qtype(layer.w_qtype))
-    p = dict(window_strides=strides, padding=padding, lhs_dilation=(1,) * nsp,
-             rhs_dilation=(1,) * nsp, dn=jax.lax.conv_dimension_numbers(x.shape, wq.shape, dn),
-             feature_group_count=1, batch_group_count=1, precision=None)
-    return quantized_conv(xq, wq, p, out_dtype)  # the same math as training
-  # Pallas: im2col over the quantized codes (zero padding adds 0), then the packed matmul.
-  if qdot.is_quantized(xq):
-    vals = xq.qvalue.astype(jnp.float32)
-  else:
-    vals = xq.astype(jnp.float32)
-  patches = jax.lax.conv_general_dilated_patches(vals, ks[:nsp], strides, padding,
-                                                 dimension_numbers=(dn[0], dn[1], dn[2]),
-                                                 precision=jax.lax.Precision.HIGHEST)
-  lead = patches.shape[:-1]
-  m = int(np.prod(lead))
-  if qdot.is_quantized(xq):
-    if xq.zero_point is not None:
-      raise ValueError("frozen conv with asymmetric inputs is not supported on the kernel path")
-    row_scale = jnp.broadcast_to(xq.scale.reshape(xq.scale.shape[0], *([1] * nsp)),
-                                 (xq.shape[0],) + lead[1:]).reshape(m, 1)
-    pq = qa.QArray(qvalue=patches.reshape(m, -1).astype(jnp.int8), scale=row_scale,
-                   zero_point=None, qtype=xq.qtype)
-  else:
-    pq = patches.reshape(m, -1).astype(x.dtype)
-  return _matmul(pq, layer, out_dtype, impl).reshape(lead + (layer.n,))
 
 
 def _conv_padding(mod):
@@ -473,7 +618,8 @@ def _conv_padding(mod):
                   ("feature_group_count", (1,))):
       v = getattr(mod, f, None)
       if v not in ok and not (isinstance(v, (tuple, list)) and all(d == 1 for d in v)):
-        raise NotImplementedError(f"freeze: nn.Conv with {f}={v!r} is not supported")
+        raise NotImplementedError(f"freeze: nn.Conv with {f}={v!r} is not supported as a whole "
+                                  "frozen layer (freeze the model with its QtProvider)")
   pad = mod.padding
   if isinstance(pad, str):
     if pad not in ("SAME", "VALID"):
@@ -484,41 +630,131 @@ def _conv_padding(mod):
   return tuple((p, p) if isinstance(p, int) else tuple(p) for p in pad)
 
 
-def apply_frozen(model: nn.Module, frozen: dict, *args, implementation: str = "auto",
-                 method=None, **kwargs):
-  """``model.apply`` with every frozen layer replaced by its packed version.
+class _FrozenOps:
+  """What the linen interception calls in place of a QtProvider while a frozen model runs:
+  frozen ops compute from their packed weights, every other op runs its float original."""
 
-  Frozen layers are :class:`~qtrain.qlayers.QDense` / :class:`~qtrain.qlayers.QConv`
-  or plain ``nn.Dense`` / ``nn.Conv`` (a model trained through
-  :func:`qtrain.quantize_model`: pass the *float* model, the rules are not needed
-  any more), matched by module path.
+  def __init__(self, layers: dict, implementation: str):
+    self.layers = layers  # {(path, op_id): (FrozenLayer, where)}
+    self.implementation = implementation
+
+  def _hit(self, path, op_id, out_sharding):
+    hit = self.layers.get((path, op_id))
+    if hit is not None and out_sharding is not None:
+      raise NotImplementedError(f"frozen layer {hit[1]!r} was called with out_sharding="
+                                f"{out_sharding!r}; frozen ops do not take out_sharding")
+    return hit
+
+  def dot_general(self, host, path, op_id, lhs, rhs, dimension_numbers, precision=None,
+                  preferred_element_type=None, *, weight_operand, fallback, out_sharding=None,
+                  op_name="dot_general", record_shapes=None):
+    hit = self._hit(path, op_id, out_sharding)
+    if hit is None:
+      kw = {} if out_sharding is None else {"out_sharding": out_sharding}
+      return fallback(lhs, rhs, dimension_numbers, precision=precision,
+                      preferred_element_type=preferred_element_type, **kw)
+    return _frozen.dot_general(hit[0], lhs, rhs, dimension_numbers,
+                               preferred_element_type=preferred_element_type,
+                               weight_operand=weight_operand, implementation=self.implementation,
+                               where=hit[1])
+
+  def einsum(self, host, path, op_id, subscripts, operands, kwargs, *, weight_operand, fallback):
+    hit = self._hit(path, op_id, kwargs.get("out_sharding"))
+    if hit is None:
+      return fallback(subscripts, *operands, **kwargs)
+    return _frozen.einsum(hit[0], subscripts, operands, kwargs, weight_operand=weight_operand,
+                          implementation=self.implementation, where=hit[1])
+
+  def conv_general_dilated(self, host, path, op_id, lhs, rhs, window_strides, padding,
+                           lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
+                           feature_group_count=1, batch_group_count=1, precision=None,
+                           preferred_element_type=None, *, weight_operand, fallback,
+                           out_sharding=None):
+    hit = self._hit(path, op_id, out_sharding)
+    if hit is None:
+      kw = {} if out_sharding is None else {"out_sharding": out_sharding}
+      return fallback(lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
+                      rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+                      feature_group_count=feature_group_count, batch_group_count=batch_group_count,
+                      precision=precision, preferred_element_type=preferred_element_type, **kw)
+    if weight_operand is not None and weight_operand != 1:
+      raise _frozen._mismatch(hit[1], f"its kernel is operand {weight_operand}, frozen as 1")
+    _check_unmasked(host.module, hit[1])
+    return _frozen.conv_general_dilated(
+        hit[0], lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+        feature_group_count, batch_group_count, precision, preferred_element_type,
+        implementation=self.implementation, where=hit[1])
+
+
+def apply_frozen(model, frozen, *args, implementation: str = "auto", method=None, **kwargs):
+  """Runs a frozen model: ``model.apply`` with every frozen op / layer on its packed weights.
 
   Args:
-    model: the (unbound) Flax module that was trained (for a rule-quantized
-      model, the float model given to ``quantize_model``).
-    frozen: the output of :func:`freeze` (or :func:`load_frozen`).
+    model: linen: the (unbound) Flax module that was trained; for a model
+      quantized by :func:`qtrain.quantize_model`, the float model (the
+      quantized wrapper is accepted and unwrapped). nnx: the frozen model
+      (:func:`freeze`'s result); ``frozen`` is then its first argument.
+    frozen: linen: the output of :func:`freeze` (or :func:`load_frozen`).
     *args, **kwargs: the model's call arguments.
     implementation: see the module docstring.
-    method: passed to ``model.apply``.
+    method: passed to ``model.apply`` (nnx: the name of the method to call).
+
+  Run it under ``jax.jit`` with ``frozen`` as an argument (not a closed-over
+  constant): the placeholders of frozen parameters are then never
+  materialized.
   """
+  impl = _frozen.check_implementation(implementation)
+  if isinstance(model, nnx.Module):
+    ops = _nnx_hooks(model, FrozenOp)
+    if not ops:
+      raise ValueError("apply_frozen: this nnx model has no FrozenOp: freeze it with "
+                       "qtrain.freeze.freeze(model) first")
+    for _, _, _, op in ops:
+      op.implementation = impl
+    fn = model if method is None else getattr(model, method)
+    return fn(frozen, *args, **kwargs)
+  from qtrain import _intercept
+  from qtrain import model as model_lib
   from qtrain.qlayers import QConv, QDense
 
-  layers = frozen["layers"]
+  if isinstance(model, model_lib.QtLinenModel):
+    model = model.model
+  whole, ops, variables = {}, {}, frozen["variables"]
+  for key, layer in frozen["layers"].items():
+    if layer.op_id is None:
+      whole[key] = layer
+      continue
+    path = _layer_path(key, layer)
+    ops[(path, layer.op_id)] = (layer, _where(path, layer.op_id))
+    split = tuple(path.split("/")) if path else ()
+    variables = {**variables, "params": _set_in(
+        variables.get("params", {}), split + (layer.param,),
+        jnp.full(layer.kernel_shape, jnp.nan, layer.param_dtype))}
 
   def interceptor(next_fun, a, kw, context):
     mod = context.module
-    if context.method_name == "__call__" and isinstance(mod, (QDense, QConv, nn.Dense, nn.Conv)):
+    if context.method_name == "__call__":
       path = "/".join(str(p) for p in mod.path)
-      if path in layers:
+      if path in whole:
+        if not isinstance(mod, (QDense, QConv, nn.Dense, nn.Conv)):
+          raise ValueError(
+              f"frozen layer {_where(path)!r} is a {type(mod).__name__}: a LayerQuant mapping or "
+              "a list of rules freezes whole qlayers.QDense/QConv or nn.Dense/nn.Conv layers "
+              "only; freeze this model with the QtProvider it ran with")
         x = a[0] if a else kw["inputs"]
         if isinstance(mod, (QConv, nn.Conv)):
-          return apply_layer(layers[path], x, strides=mod.strides,
-                             padding=_conv_padding(mod), implementation=implementation)
-        return apply_layer(layers[path], x, implementation=implementation)
+          return _apply_layer(whole[path], x, strides=mod.strides, padding=_conv_padding(mod),
+                              implementation=impl, where=path)
+        return _apply_layer(whole[path], x, strides=None, padding=None, implementation=impl,
+                            where=path)
     return next_fun(*a, **kw)
 
-  with nn.intercept_methods(interceptor):
-    return model.apply(frozen["variables"], *args, method=method, **kwargs)
+  with contextlib.ExitStack() as stack:
+    if ops:
+      stack.enter_context(_intercept.linen_scope(_FrozenOps(ops, impl)))
+    if whole:
+      stack.enter_context(nn.intercept_methods(interceptor))
+    return model.apply(variables, *args, method=method, **kwargs)
 
 
 # ----------------------------------------------------------------------------
@@ -533,24 +769,37 @@ def _tree_nbytes(tree) -> int:
   return sum(_nbytes(x) for x in jax.tree.leaves(tree))
 
 
-def layer_sizes(frozen: dict, variables=None) -> dict:
+def _frozen_layers(frozen) -> dict:
+  if isinstance(frozen, nnx.Module):
+    return {op.path: op.layer for _, _, _, op in _nnx_hooks(frozen, FrozenOp)}
+  return frozen["layers"]
+
+
+def layer_sizes(frozen, variables=None) -> dict:
   """Bytes per frozen layer, against float32 (and model totals when ``variables`` is given).
 
+  Args:
+    frozen: :func:`freeze`'s result (linen dict or frozen nnx model).
+    variables: linen only: the trained variables.
+
   Returns:
-    ``{path: {"qtype", "float32_bytes", "frozen_bytes", "weight_bytes", "ratio"}}``
+    ``{key: {"qtype", "act", "float32_bytes", "frozen_bytes", "weight_bytes", "ratio"}}``
     and, with the trained ``variables``, ``"__model__"``: float32 bytes of all
     variables vs the frozen model's bytes (frozen layers + remaining variables).
   """
   out = {}
-  for path, l in frozen["layers"].items():
+  for key, l in _frozen_layers(frozen).items():
     nw = int(np.prod(l.kernel_shape))
     extra = [l.bias, l.scale_a, l.bias_a]
     fp32 = 4 * nw + sum(4 * int(np.prod(np.shape(e))) for e in extra if e is not None)
     fb = sum(_nbytes(getattr(l, f)) for f in _ARRAY_FIELDS)
-    out[path] = {"qtype": l.w_qtype, "act": (l.act_dict or {}).get("qtype"),
-                 "float32_bytes": fp32, "frozen_bytes": fb, "weight_bytes": _nbytes(l.words),
-                 "ratio": fp32 / max(fb, 1)}
+    out[key] = {"qtype": l.w_qtype, "act": (l.act_dict or {}).get("qtype"),
+                "float32_bytes": fp32, "frozen_bytes": fb, "weight_bytes": _nbytes(l.words),
+                "ratio": fp32 / max(fb, 1)}
   if variables is not None:
+    if isinstance(frozen, nnx.Module):
+      raise ValueError("layer_sizes(frozen, variables): variables= is for linen; a frozen nnx "
+                       "model holds its own state")
     if "params" not in variables:
       variables = {"params": variables}
     f32 = sum(4 * int(np.prod(np.shape(x))) for x in jax.tree.leaves(variables))
@@ -563,37 +812,101 @@ def _esc(path: str) -> str:
   return "layer:" + path.replace("/", "|")
 
 
-def _unesc(key: str) -> str:
-  return key[len("layer:"):].replace("|", "/")
+def save_frozen(directory: str, frozen, *, force: bool = False) -> None:
+  """Saves a frozen model with orbax: arrays (StandardSave) + layer metadata (JSON).
 
-
-def save_frozen(directory: str, frozen: dict, *, force: bool = False) -> None:
-  """Saves a frozen model with orbax: arrays (StandardSave) + layer metadata (JSON)."""
+  ``frozen``: :func:`freeze`'s linen dict, or a frozen nnx model (its state,
+  and where each frozen op and placeholder sits).
+  """
   import orbax.checkpoint as ocp
-  arrays = {"layers": {_esc(p): {f: getattr(l, f) for f in _ARRAY_FIELDS if getattr(l, f) is not None}
-                       for p, l in frozen["layers"].items()},
-            "variables": frozen["variables"]}
-  meta = {"layers": {p: l.meta() for p, l in frozen["layers"].items()}, "format": "qtrain.freeze/1"}
+
+  if isinstance(frozen, nnx.Module):
+    ops = _nnx_hooks(frozen, FrozenOp)
+    state = nnx.to_pure_dict(nnx.state(frozen))
+    meta = {"format": _FORMAT, "nnx": [
+        {"owner": owner, "attr": attr, "path": op.path, "op_name": op.op_name,
+         "layer": op.layer.meta()} for owner, _, attr, op in ops]}
+    arrays = {"state": state}
+  else:
+    arrays = {"layers": {_esc(p): {f: getattr(l, f) for f in _ARRAY_FIELDS
+                                   if getattr(l, f) is not None}
+                         for p, l in frozen["layers"].items()},
+              "variables": frozen["variables"]}
+    meta = {"layers": {p: l.meta() for p, l in frozen["layers"].items()}, "format": _FORMAT}
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ck:
     ck.save(directory, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
                                                meta=ocp.args.JsonSave(meta)), force=force)
 
 
-def load_frozen(directory: str) -> dict:
-  """Loads what :func:`save_frozen` wrote (arrays as jax arrays on the default device)."""
+def _legacy_meta(m: dict) -> dict:
+  """Format 1 (dense (K, N) / conv HWIO layers only) -> the current metadata."""
+  m = dict(m)
+  nd = len(m["kernel_shape"])
+  if m["kind"] == "dense":
+    m["kind"], m["layout"] = "dot", [[0], []]
+  else:
+    m["layout"] = [nd - 1, nd - 2] + list(range(nd - 2))
+  if m["act"] is not None:
+    m["act"] = {**m["act"], "tile_size": None,
+                "scale": "given" if "scale_a" in m["present"] else None}
+  return m
+
+
+def load_frozen(directory: str, model=None):
+  """Loads what :func:`save_frozen` wrote.
+
+  Args:
+    directory: the checkpoint directory.
+    model: nnx only: the float model of the same architecture (e.g. built
+      under ``nnx.eval_shape``, so its float weights are never allocated):
+      the frozen ops and placeholders are put in a copy of it and its state
+      is restored. linen: None.
+
+  Returns:
+    linen: the ``{"layers", "variables"}`` dict (arrays as jax arrays on the
+    default device); nnx: the frozen nnx model.
+  """
   import orbax.checkpoint as ocp
+
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ck:
     r = ck.restore(directory, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(),
                                                       meta=ocp.args.JsonRestore()))
   arrays, meta = r["arrays"], r["meta"]
+  if "nnx" in meta:
+    if model is None or not isinstance(model, nnx.Module):
+      raise ValueError("load_frozen: this checkpoint holds a frozen nnx model: pass model=, the "
+                       "float nnx model of the same architecture (e.g. built in nnx.eval_shape)")
+    return _load_nnx(model, meta["nnx"], arrays["state"])
+  if model is not None:
+    raise ValueError("load_frozen: model= is for frozen nnx models; this checkpoint is linen")
+  legacy = meta.get("format") == "qtrain.freeze/1"
   layers = {}
   for p, m in meta["layers"].items():
-    a = arrays["layers"][_esc(p)]
-    get = lambda f: jnp.asarray(a[f]) if f in m["present"] else None
-    act = None if m["act"] is None else tuple(sorted(m["act"].items()))
-    layers[p] = FrozenLayer(
-        words=get("words"), w_scale=get("w_scale"), w_zero=get("w_zero"), scale_a=get("scale_a"),
-        bias_a=get("bias_a"), bias=get("bias"), kind=m["kind"], w_qtype=m["w_qtype"], k=m["k"],
-        n=m["n"], kernel_shape=tuple(m["kernel_shape"]), group_size=m["group_size"], act=act)
+    if legacy:
+      m = _legacy_meta(m)
+    a = {f: jnp.asarray(v) for f, v in arrays["layers"][_esc(p)].items()}
+    layers[p] = FrozenLayer.from_meta(m, a)
   variables = jax.tree.map(jnp.asarray, arrays.get("variables", {}))
   return {"layers": layers, "variables": variables}
+
+
+def _load_nnx(model, ops_meta, state):
+  frozen = nnx.clone(model)
+  nodes = {"/".join(str(p) for p in path): node for path, node in nnx.iter_graph(frozen)
+           if isinstance(node, nnx.Module)}
+  for m in ops_meta:
+    node = nodes.get(m["owner"])
+    if node is None:
+      raise ValueError(f"load_frozen: the model has no module {m['owner']!r} (the checkpoint "
+                       "was saved from another architecture)")
+    lm = m["layer"]
+    sub = state
+    for part in (m["owner"].split("/") if m["owner"] else []):
+      sub = sub[part]
+    arrays = {f: jnp.asarray(v) for f, v in sub[m["attr"]].items()}
+    layer = FrozenLayer.from_meta(lm, arrays)
+    setattr(node, m["attr"], _data(FrozenOp(layer, path=m["path"], op_name=m["op_name"])))
+    setattr(node, layer.param, _static(Placeholder(layer.kernel_shape, layer.param_dtype)))
+  graphdef, abstract = nnx.split(frozen)
+  nnx.replace_by_pure_dict(abstract, jax.tree.map(jnp.asarray, state))
+  return nnx.merge(graphdef, abstract)

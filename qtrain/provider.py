@@ -89,6 +89,12 @@ class OpRecord:
   act_qtype: str | None
   bwd_qtype: str | None
   shapes: tuple = ()
+  # How a quantized op used its operands (what qtrain.freeze needs to lay out the weight):
+  # ("dot_general", dimension_numbers, operand shapes, operand dtypes) for dot_general and
+  # einsum (the dot the einsum became), ("conv_general_dilated", (lhs_spec, rhs_spec,
+  # out_spec), feature_group_count, operand shapes, operand dtypes) for convolutions; None
+  # for ops left in float.
+  contraction: tuple | None = None
 
 
 def _place(v: jax.Array, ndim: int, axes: Sequence[int]) -> jax.Array:
@@ -97,6 +103,11 @@ def _place(v: jax.Array, ndim: int, axes: Sequence[int]) -> jax.Array:
   for a, n in zip(axes, v.shape):
     shape[a] = n
   return v.reshape(shape)
+
+
+def _shapes_dtypes(operands) -> tuple:
+  return (tuple(tuple(jnp.shape(o)) for o in operands),
+          tuple(jnp.dtype(jnp.result_type(o)).name for o in operands))
 
 
 def init_learned_scale(x: jax.Array, qtype, multiplier: float) -> jax.Array:
@@ -273,7 +284,7 @@ class QtProvider:
       raise OpError(f"qtrain: rules[{m[0]}] (module_path={m[1].module_path!r}) on {op_name} in "
                     f"module {path!r}: {msg}") from e
 
-  def _rec(self, path, op_id, op_name, m, status, w_idx, shapes):
+  def _rec(self, path, op_id, op_name, m, status, w_idx, shapes, contraction=None):
     rule = m[1] if m else None
     quant = status == QUANTIZED
     self.record(OpRecord(
@@ -282,7 +293,7 @@ class QtProvider:
         weight_qtype=rule.weight_qtype if (quant and rule) else None,
         act_qtype=rule.act_qtype if (quant and rule) else None,
         bwd_qtype=rule.bwd_qtype if (quant and rule) else None,
-        shapes=tuple(tuple(s) for s in shapes)))
+        shapes=tuple(tuple(s) for s in shapes), contraction=contraction))
 
   def note_skipped(self, path: str, op_id: str, op_name: str, status: str, shapes=()) -> None:
     """Records an op left in float by the interception layer (and warns if a rule wanted it)."""
@@ -409,7 +420,8 @@ class QtProvider:
           dlhs_grad=g, drhs_grad=g, implementation=rule.implementation)
       scales = [None, None]
       scales[a_idx] = act_scale
-      self._rec(path, op_id, op_name, m, QUANTIZED, weight_operand, shapes)
+      self._rec(path, op_id, op_name, m, QUANTIZED, weight_operand, shapes,
+                ("dot_general", dn, *_shapes_dtypes(ops)))
       key, missing = self._key(host, rule, path)
       out = _dot_general_qt(ops[0], ops[1], dn, cfg, precision=precision,
                             preferred_element_type=preferred_element_type, key=key,
@@ -487,7 +499,9 @@ class QtProvider:
           lhs=self._operand(rule, weight=False, given_scale=act_scale is not None, conv=True),
           rhs=self._operand(rule, weight=True, given_scale=False, conv=True),
           dlhs_grad=self._grad(rule), drhs_grad=self._grad(rule), implementation=rule.implementation)
-      self._rec(path, op_id, "conv_general_dilated", m, QUANTIZED, 1, shapes)
+      self._rec(path, op_id, "conv_general_dilated", m, QUANTIZED, 1, shapes,
+                ("conv_general_dilated", (cdn.lhs_spec, cdn.rhs_spec, cdn.out_spec),
+                 int(feature_group_count), *_shapes_dtypes((act, rhs))))
       key, missing = self._key(host, rule, path)
       out = _conv_general_qt(
           act, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,

@@ -7,7 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+import qtrain
 from qtrain import binary, freeze, qlayers
 from qtrain.core import packing
 
@@ -189,3 +191,397 @@ def test_mosaic_frozen_binary_layer_matches_xla_gpu():
   assert a.shape == b.shape == (16, 300)
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
                              atol=1e-6 * float(np.max(np.abs(b))))
+
+
+# ----------------------------------------------------------------------------
+# Rule-quantized models (qtrain.quantize_model): every intercepted layer freezes
+# from the provider's record of its op, linen and nnx.
+#
+# Equality budget: exact. The frozen XLA path rebuilds the weight in its own
+# layout from codes and scales that are bitwise those of the QT forward (the
+# same quantize_operand call on the same array), quantizes the input with the
+# same function and spec, and makes the QT forward's own dispatch call with the
+# op's dimension numbers, so every float32 value agrees bit for bit: eagerly (each
+# op is deterministic; the nnx and custom-module tests) and under jit, where the
+# two programs differ only in how the weight codes are made (quantized vs
+# unpacked) and XLA compiles the rest alike (the linen tests).
+# "auto" is the XLA path off a GPU only (on a GPU it prefers the packed kernels,
+# tested against the bound of test_kernel_path_matches_qt_forward).
+
+D, T, B = 32, 6, 2
+
+
+class LinenBlock(nn.Module):
+  """A transformer block plus the other intercepted linen layers."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.LayerNorm(name="ln1")(x)
+    x = x + nn.MultiHeadDotProductAttention(num_heads=2, name="attn")(h)  # head_dim 16
+    h = nn.LayerNorm(name="ln2")(x)
+    x = x + nn.Dense(D, name="mlp_down")(nn.gelu(nn.Dense(2 * D, name="mlp_up")(h)))
+    e = nn.Einsum((D, 2, 16), "btd,dhk->bthk", name="ein")(x)            # (B, T, 2, 16)
+    g = nn.DenseGeneral((4, 8), axis=(-2, -1), name="dg")(e)               # kernel (2, 16, 4, 8)
+    return nn.Conv(D, (3,), name="conv")(g.reshape(x.shape)) + x
+
+
+class NnxBlock(nnx.Module):
+  """The nnx twins: MultiHeadAttention, LinearGeneral, Einsum, Linear, Conv."""
+
+  def __init__(self, rngs):
+    self.ln = nnx.LayerNorm(D, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=D, decode=False, rngs=rngs)
+    self.up = nnx.Linear(D, 2 * D, rngs=rngs)
+    self.down = nnx.Linear(2 * D, D, rngs=rngs)
+    self.ein = nnx.Einsum("btd,dhk->bthk", (D, 2, 16), (2, 16), rngs=rngs)
+    self.lg = nnx.LinearGeneral((2, 16), (4, 8), axis=(-2, -1), rngs=rngs)
+    self.conv = nnx.Conv(D, D, (3,), rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(self.ln(x))
+    x = x + self.down(nnx.gelu(self.up(x)))
+    g = self.lg(self.ein(x))
+    return self.conv(g.reshape(x.shape)) + x
+
+
+def _rules(name):
+  R = qtrain.QtRule
+  if name == "w8a8":
+    return [R(module_path=".*", weight_qtype="int8", act_qtype="int8")]
+  if name == "w4g16":  # group scales and zero points; convolutions take no tile_size
+    kw = dict(weight_qtype="int4", weight_calibration_method="minmax")
+    return [R(module_path=".*", op_names=("dot_general", "einsum"), tile_size=16, **kw),
+            R(module_path=".*", **kw)]
+  if name == "w1a8":
+    return [R(module_path=".*", weight_qtype="binary", weight_calibration_method="absmean",
+              act_qtype="int8")]
+  if name == "bitorch":  # binary inputs with learned scales and shifts
+    return binary.rules({".*": "bitorch"})
+  if name == "w8a8_static":
+    return [R(module_path=".*", weight_qtype="int8", act_qtype="int8", act_static_scale=True)]
+  raise ValueError(name)
+
+
+RULES = ["w8a8", "w4g16", "w1a8", "bitorch", "w8a8_static"]
+# Each linen case compiles the block 3 times (~3 s each): the fast suite keeps one (the nnx
+# cases, all fast, cover learned, static and group scales too).
+LINEN_RULES = [r if r == "w8a8" else pytest.param(r, marks=pytest.mark.slow) for r in RULES]
+EXACT_IMPLS = ("xla",) if jax.default_backend() == "gpu" else ("xla", "auto")
+
+
+def _perturbed(tree, seed=3):
+  """Every leaf moved off its init value (biases, shifts and scales included); numpy's
+  generator, so no per-shape compile."""
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda l: jnp.asarray(
+      np.asarray(l) + 0.2 * rng.standard_normal(l.shape) * (np.abs(np.asarray(l)).mean() + 0.1),
+      l.dtype), tree)
+
+
+def _linen_qt(rules, x):
+  model = LinenBlock()
+  provider = qtrain.QtProvider(rules)
+  qmodel = qtrain.quantize_model(model, provider)
+  v = jax.jit(qmodel.init)(jax.random.key(1), x)  # one compile; records are made while tracing
+  v = {**v, "params": _perturbed(v["params"])}
+  if "quant_stats" in v:  # calibrate the static scales on two batches
+    for s in (5, 6):
+      _, upd = qmodel.apply(v, jax.random.normal(jax.random.key(s), x.shape), mutable=["quant_stats"])
+      v = {**v, **upd}
+  return model, provider, qmodel, v
+
+
+def _quantized_paths(provider):
+  from qtrain import provider as provider_lib
+  return sorted(r.path for r in provider.records() if r.status == provider_lib.QUANTIZED)
+
+
+def _leaf(tree, path):
+  for p in path.split("/"):
+    tree = tree[p]
+  return tree
+
+
+@pytest.mark.parametrize("rules", LINEN_RULES)
+def test_linen_transformer_frozen_equals_qt_forward(rules):
+  x = jax.random.normal(jax.random.key(0), (B, T, D))
+  model, provider, qmodel, v = _linen_qt(_rules(rules), x)
+  ref = jax.jit(qmodel.apply)(v, x)  # jit: one compile instead of ~100 eager ones
+  frozen = freeze.freeze(v, provider)
+  paths = _quantized_paths(provider)
+  assert paths == sorted(["attn/query", "attn/key", "attn/value", "attn/out", "mlp_up",
+                          "mlp_down", "ein", "dg", "conv"])
+  assert sorted(frozen["layers"]) == paths
+  params = frozen["variables"]["params"]
+  for p in paths:  # the weights are gone, the biases (added by the modules) stay
+    assert "kernel" not in _leaf(params, p) and "bias" in _leaf(params, p)
+    assert not any(k.endswith(("act_scale", "act_shift")) for k in _leaf(params, p))
+  assert set(params["ln1"]) == {"scale", "bias"}
+  assert "quant_stats" not in frozen["variables"]
+  for impl in EXACT_IMPLS:
+    run = jax.jit(lambda fr, x: freeze.apply_frozen(model, fr, x, implementation=impl))
+    np.testing.assert_array_equal(run(frozen, x), ref)
+  assert freeze.layer_sizes(frozen, v)["__model__"]["ratio"] > 1.5
+
+
+@pytest.mark.parametrize("rules", RULES)
+def test_nnx_model_frozen_equals_qt_forward(rules):
+  x = jax.random.normal(jax.random.key(0), (B, T, D))
+  model = NnxBlock(nnx.Rngs(0))
+  _, state = nnx.split(model)
+  nnx.update(model, _perturbed(state))
+  provider = qtrain.QtProvider(_rules(rules))
+  qtrain.quantize_model(model, provider, x)
+  qtrain.set_calibrate(model, False)  # static scales stay uncalibrated: one scale per batch
+  ref = model(x)
+  fr = freeze.freeze(model)
+  assert _quantized_paths(provider) == sorted(["attn/query", "attn/key", "attn/value", "attn/out",
+                                               "up", "down", "ein", "lg", "conv"])
+  for impl in EXACT_IMPLS:
+    np.testing.assert_array_equal(freeze.apply_frozen(fr, x, implementation=impl), ref)
+  # The frozen copy holds no float kernel of a quantized layer; the QT model is untouched.
+  flat = {"/".join(map(str, k)) for k, _ in nnx.to_flat_state(nnx.state(fr))}
+  assert not [k for k in flat if k.endswith("kernel")], flat
+  assert isinstance(fr.up.kernel, freeze.Placeholder) and fr.up.kernel.shape == (D, 2 * D)
+  assert isinstance(model.up.kernel, nnx.Param)
+  np.testing.assert_array_equal(model(x), ref)
+
+
+@pytest.mark.slow
+def test_placeholders_are_dead_under_jit_and_nnx_jit():
+  x = jax.random.normal(jax.random.key(0), (B, T, D))
+  model, provider, qmodel, v = _linen_qt(_rules("w8a8"), x)
+  frozen = freeze.freeze(v, provider)
+  f = jax.jit(lambda fr, x: freeze.apply_frozen(model, fr, x, implementation="xla"))
+  out = f(frozen, x)
+  assert not bool(jnp.any(jnp.isnan(out)))
+  # The NaN placeholder of dg's float kernel is in the traced program, and XLA drops it.
+  shape = "f32[2,16,4,8]"
+  assert shape in str(jax.make_jaxpr(f)(frozen, x)).replace(" ", "")
+  assert shape not in f.lower(frozen, x).compile().as_text().replace(" ", "")
+  # nnx: the same under nnx.jit.
+  m = NnxBlock(nnx.Rngs(0))
+  qtrain.quantize_model(m, qtrain.QtProvider(_rules("w1a8")), x)
+  fr = freeze.freeze(m)
+  run = nnx.jit(lambda mm, x: mm(x))
+  # apply_frozen sets the frozen ops' implementation ("auto" prefers kernels on a GPU).
+  np.testing.assert_array_equal(freeze.apply_frozen(fr, x, implementation="xla"), m(x))
+  np.testing.assert_array_equal(run(fr, x), run(m, x))
+
+
+class Custom(nn.Module):
+  """A user's own module: weight as the lhs, not named ``kernel``, bf16 compute."""
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.normal(1.0), (16, x.shape[-1]))
+    y = jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())))                 # (16, B)
+    z = nn.Dense(8, dtype=jnp.bfloat16, name="half")(y.T)
+    return z.astype(jnp.float32)
+
+
+def test_custom_module_weight_as_lhs_and_cast_weight():
+  x = jax.random.normal(jax.random.key(0), (B, 48))
+  provider = qtrain.QtProvider([qtrain.QtRule(module_path=".*", weight_qtype="int4",
+                                              act_qtype="int8")])
+  qmodel = qtrain.quantize_model(Custom(), provider)
+  v = qmodel.init(jax.random.key(1), x)
+  fr = freeze.freeze(v, qmodel)  # the quantized model stands for its provider
+  assert (fr["layers"][""].param, fr["layers"][""].weight_operand) == ("w", 0)
+  assert fr["layers"]["half"].weight_dtype == "bfloat16"  # quantized as the op saw it
+  assert "w" not in fr["variables"]["params"]
+  ref = qmodel.apply(v, x)
+  np.testing.assert_array_equal(freeze.apply_frozen(Custom(), fr, x, implementation="xla"), ref)
+  np.testing.assert_array_equal(freeze.apply_frozen(qmodel, fr, x, implementation="xla"),
+                                ref)  # the quantized wrapper is unwrapped
+
+
+KERNEL_LAYERS = {  # single layers whose dot layouts the kernels take after reshaping
+    "einsum": (nn.Einsum((D, 2, 16), "btd,dhk->bthk"), (B, T, D)),
+    "dense_general": (nn.DenseGeneral((2, 16), axis=(-2, -1)), (B, T, 2, D)),
+    "conv1d": (nn.Conv(D, (3,), strides=2, kernel_dilation=2, padding=((2, 1),)), (B, 9, D)),
+}
+
+
+def _kernel_bound(layer, x, model):
+  """K * eps32 * (|x_hat| . |w_hat|) + eps32 * |y|: the float32 dot-product error bound of a
+  product whose K terms are summed in another order, scales applied after, cast once."""
+  from qtrain import _frozen
+  from qtrain.core import qarray as qa
+
+  w = np.abs(np.asarray(layer.kernel_qarray().dequantize(), np.float64))
+  if layer.kind == "conv":
+    xh = _frozen.quantize_act(layer, x, contract=(x.ndim - 1,), channel_axes=(0,), tile_axis=None)
+    xh = np.abs(np.asarray(qa.dequantize(xh) if isinstance(xh, qa.QArray) else xh))
+    dot = jax.lax.conv_general_dilated(
+        jnp.asarray(xh, jnp.float32), jnp.asarray(w, jnp.float32), (model.strides,),
+        model.padding, rhs_dilation=(model.kernel_dilation,),
+        dimension_numbers=("NHC", "HIO", "NHC"), precision=jax.lax.Precision.HIGHEST)
+    return layer.k * np.finfo(np.float32).eps * (1 + 1e-6) * np.asarray(dot, np.float64)
+  contract = layer.layout[0]
+  ac = tuple(range(x.ndim - len(contract), x.ndim))
+  xh = _frozen.quantize_act(layer, x, contract=ac, channel_axes=tuple(range(x.ndim - len(ac))),
+                            tile_axis=ac[-1])
+  xh = np.abs(np.asarray(qa.dequantize(xh) if isinstance(xh, qa.QArray) else xh, np.float64))
+  return layer.k * np.finfo(np.float32).eps * np.tensordot(xh, w, axes=(ac, contract))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", [
+    dict(weight_qtype="int8", act_qtype="int8"),
+    dict(weight_qtype="int4", tile_size=16),
+    dict(weight_qtype="binary", act_qtype="binary", weight_calibration_method="absmean",
+         act_calibration_method="absmean"),
+], ids=["w8a8", "w4g16", "w1a1"])
+def test_kernel_path_matches_qt_forward(rule):
+  """The Triton kernels (interpreted) on the packed weights: a weight with two contracting
+  axes and 2-D features, an einsum, a strided dilated padded 1-D conv (im2col)."""
+  for name, (model, shape) in KERNEL_LAYERS.items():
+    if name == "conv1d":
+      rule = {k: v for k, v in rule.items() if k != "tile_size"}
+    provider = qtrain.QtProvider([qtrain.QtRule(module_path=".*", **rule)])
+    qmodel = qtrain.quantize_model(model, provider)
+    x = jax.random.normal(jax.random.key(0), shape)
+    v = qmodel.init(jax.random.key(1), x)
+    frozen = freeze.freeze(v, provider)
+    ref = np.asarray(qmodel.apply(v, x), np.float64)
+    out = np.asarray(freeze.apply_frozen(model, frozen, x, implementation="interpret"), np.float64)
+    layer = frozen["layers"][""]
+    assert layer.group_size == rule.get("tile_size"), name
+    bound = _kernel_bound(layer, x, model) + np.finfo(np.float32).eps * np.abs(ref)
+    assert out.shape == ref.shape and np.all(np.abs(out - ref) <= bound), (
+        name, float(np.max(np.abs(out - ref) - bound)))
+
+
+def test_fp8_weights_cannot_be_frozen():
+  x = jax.random.normal(jax.random.key(0), (B, T, D))
+  rules = [qtrain.QtRule(module_path="mlp_up", weight_qtype="float8_e4m3fn"),
+           qtrain.QtRule(module_path=".*", weight_qtype="int8")]
+  _, provider, _, v = _linen_qt(rules, x)
+  with pytest.raises(ValueError, match=r"'mlp_up \(dot_general0\)' has float8_e4m3fn weights.*"
+                                       r"cannot be frozen"):
+    freeze.freeze(v, provider)
+  m = NnxBlock(nnx.Rngs(0))
+  qtrain.quantize_model(m, qtrain.QtProvider([qtrain.QtRule(module_path="up",
+                                                            weight_qtype="float8_e5m2")]), x)
+  with pytest.raises(ValueError, match=r"'up \(dot_general0\)' has float8_e5m2 weights"):
+    freeze.freeze(m)
+  lq = binary.weight_only("float8_e4m3fn")
+  v = qlayers.QDense(4, quant=lq).init(jax.random.key(0), jnp.ones((1, 8)))
+  with pytest.raises(ValueError, match=r"layer '<root>' has float8_e4m3fn weights"):
+    freeze.freeze(v, {"": lq})
+
+
+def test_freeze_errors_name_the_problem():
+  x = jax.random.normal(jax.random.key(0), (B, T, D))
+  model = nn.MultiHeadDotProductAttention(num_heads=2)
+  rules = _rules("w8a8")
+  provider = qtrain.QtProvider(rules)
+  qmodel = qtrain.quantize_model(model, provider)
+  with pytest.raises(ValueError, match="recorded no op.*eval_shape"):
+    freeze.freeze({"params": {}}, provider)
+  # Records come from any trace of the quantized model: an abstract one costs no compute.
+  v = qmodel.init(jax.random.key(1), x)
+  fresh = qtrain.QtProvider(rules)
+  jax.eval_shape(qtrain.quantize_model(model, fresh).apply, v, x)
+  assert sorted(freeze.freeze(v, fresh)["layers"]) == ["key", "out", "query", "value"]
+  # A list of rules freezes whole nn.Dense / nn.Conv layers: not attention projections.
+  with pytest.raises(ValueError, match=r"'query' is a DenseGeneral.*QtProvider"):
+    freeze.apply_frozen(model, freeze.freeze(v, rules), x)
+  frozen = freeze.freeze(v, provider)
+  with pytest.raises(ValueError, match=r"implementation='pallas'; valid: \['auto', 'xla', "
+                                       r"'triton', 'mosaic', 'interpret'\]"):
+    freeze.apply_frozen(model, frozen, x, implementation="pallas")
+  # The records must belong to these variables.
+  with pytest.raises(ValueError, match=r"module 'key \(dot_general0\)'.*no params for it"):
+    freeze.freeze({"params": {"query": v["params"]["query"]}}, provider)
+  # A forced kernel names the layer it cannot take: int8 inputs with group scales.
+  p4 = qtrain.QtProvider([qtrain.QtRule(module_path=".*", weight_qtype="int4", act_qtype="int8",
+                                        tile_size=16)])
+  v4 = qtrain.quantize_model(model, p4).init(jax.random.key(1), x)
+  with pytest.raises(ValueError, match=r"implementation='interpret': layer 'query "
+                                       r"\(dot_general0\)'.*varies along the contraction"):
+    freeze.apply_frozen(model, freeze.freeze(v4, p4), x, implementation="interpret")
+  # A frozen op called with another layout than its record says fails loudly.
+  dense = nn.Dense(D, use_bias=False)
+  pd = qtrain.QtProvider(rules)
+  vd = qtrain.quantize_model(dense, pd).init(jax.random.key(1), x)
+  with pytest.raises(ValueError, match=r"frozen layer '<root> \(dot_general0\)': its op "
+                                       r"contracts weight axes \(1,\).*frozen for \(0,\)"):
+    freeze.apply_frozen(Transposed(), freeze.freeze(vd, pd), x)
+  # A masked convolution's op multiplies kernel * mask: not a parameter freeze could pack.
+  conv = nn.Conv(D, (3,), mask=jnp.tril(jnp.ones((3, D, D))))
+  pc = qtrain.QtProvider(rules)
+  vc = qtrain.quantize_model(conv, pc).init(jax.random.key(1), x)
+  with pytest.raises(ValueError, match=r"'<root> \(conv_general_dilated0\)' \(Conv\) has a mask"):
+    freeze.apply_frozen(conv, freeze.freeze(vc, pc), x)
+  mc = nnx.Conv(D, D, (3,), mask=jnp.tril(jnp.ones((3, D, D))), rngs=nnx.Rngs(0))
+  qtrain.quantize_model(mc, qtrain.QtProvider(rules), x)
+  with pytest.raises(ValueError, match=r"\(Conv\) has a mask"):
+    freeze.freeze(mc)
+  # Stacked layers: the record's weight is one slice of the parameter.
+  ps = qtrain.QtProvider(rules)
+  vs = qtrain.quantize_model(Stacked(), ps).init(jax.random.key(1), x)
+  with pytest.raises(ValueError, match=r"'stack/d \(dot_general0\)'.*\(2, 32, 32\).*stacked"):
+    freeze.freeze(vs, ps)
+
+
+class Stacked(nn.Module):
+  """Dense layers stacked by nn.scan: one kernel (L, K, N), each op sees (K, N)."""
+
+  @nn.compact
+  def __call__(self, x):
+    stack = nn.scan(_Cell, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
+    return stack(name="stack")(x, None)[0]
+
+
+class _Cell(nn.Module):
+  @nn.compact
+  def __call__(self, c, _):
+    return nn.Dense(D, name="d")(c), None
+
+
+class Transposed(nn.Module):
+  """A kernel of nn.Dense's shape, contracted along its other axis."""
+
+  @nn.compact
+  def __call__(self, x):
+    k = self.param("kernel", nn.initializers.normal(1.0), (D, D))
+    return jax.lax.dot_general(x, k, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+@pytest.mark.slow
+def test_orbax_round_trip_transformer(tmp_path):
+  x = jax.random.normal(jax.random.key(0), (B, T, D))
+  rules = [qtrain.QtRule(module_path="attn/.*", weight_qtype="int4", act_qtype="int8",
+                         weight_calibration_method="minmax")] + _rules("bitorch")
+  model, provider, qmodel, v = _linen_qt(rules, x)
+  frozen = freeze.freeze(v, provider)
+  freeze.save_frozen(str(tmp_path / "linen"), frozen)
+  back = freeze.load_frozen(str(tmp_path / "linen"))
+  assert sorted(back["layers"]) == sorted(frozen["layers"])
+  for k, l in frozen["layers"].items():
+    b = back["layers"][k]
+    assert b.meta() == l.meta()
+    for f in freeze._ARRAY_FIELDS:
+      assert (getattr(b, f) is None) == (getattr(l, f) is None)
+      if getattr(l, f) is not None:
+        assert getattr(b, f).dtype == getattr(l, f).dtype
+        np.testing.assert_array_equal(getattr(b, f), getattr(l, f))
+  np.testing.assert_array_equal(freeze.apply_frozen(model, back, x, implementation="xla"),
+                                qmodel.apply(v, x))
+  # nnx: restored into the float architecture built abstractly (no float weights made).
+  m = NnxBlock(nnx.Rngs(0))
+  qtrain.quantize_model(m, qtrain.QtProvider(rules), x)
+  fr = freeze.freeze(m)
+  freeze.save_frozen(str(tmp_path / "nnx"), fr)
+  template = nnx.eval_shape(lambda: NnxBlock(nnx.Rngs(0)))
+  back = freeze.load_frozen(str(tmp_path / "nnx"), model=template)
+  np.testing.assert_array_equal(freeze.apply_frozen(back, x, implementation="xla"), m(x))
+
+
+@pytest.mark.slow
+def test_docstring_example():
+  import doctest
+  res = doctest.testmod(freeze, optionflags=doctest.ELLIPSIS)
+  assert res.failed == 0 and res.attempted > 0
