@@ -55,6 +55,8 @@ class Values:
     zeros: the fraction of elements set to 0.0 (some of them -0.0).
     nonfinite: values planted at random positions (``"nan"``, ``"inf"``, ``"-inf"``).
     seed: the numpy seed of the mantissas, signs and positions.
+    explicit: the values themselves (for @hypothesis.example regressions);
+      overrides everything above.
   """
 
   mode: str = "unit"
@@ -62,6 +64,7 @@ class Values:
   zeros: float = 0.0
   nonfinite: tuple[str, ...] = ()
   seed: int = 0
+  explicit: tuple[float, ...] | None = None  # exact values (explicit examples), row-major
 
   def nominal(self, dtype) -> float:
     """A typical magnitude of the values (to size a fixed calibration bound)."""
@@ -81,6 +84,8 @@ class Values:
 def make(v: Values, shape: tuple[int, ...], dtype) -> np.ndarray:
   """The array ``v`` describes, in ``dtype`` (bf16 via ml_dtypes)."""
   dtype = jnp.dtype(dtype)
+  if v.explicit is not None:
+    return np.asarray(v.explicit, np.float64).reshape(shape).astype(dtype)
   rng = np.random.default_rng(v.seed)
   n = int(np.prod(shape, dtype=np.int64))
   lo, hi = _exponent_range(dtype)
