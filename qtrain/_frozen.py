@@ -13,6 +13,11 @@ contracts it (``layout``):
   kernel order, K the contracting axes flattened in the op's contracting
   order; packed along K. Group-wise scales (``tile_size``, along the last
   contracting axis) become ``(N, K // tile_size)`` groups of flattened K.
+  Where a tile meets a contraction of several axes, the op merges them
+  first (:func:`~qtrain.core.dot_general_qt.merge_tiled_contraction`), and
+  so does freezing, and inference with the frozen layer: the layer keeps
+  the op's own ``kernel_shape`` and ``layout``, its codes and groups those
+  of the merged contraction.
 * convolutions: the kernel's ``rhs_spec`` (O, I, spatial...); codes
   ``(O, I * prod(spatial))``, K channel-major, the patch order of
   :func:`jax.lax.conv_general_dilated_patches`.
@@ -24,7 +29,9 @@ Products (:func:`dot_product`, :func:`conv_product`) run by
   layout and the product is *the QT forward's call*
   (:func:`qtrain.pallas.dispatch.quantized_dot_general` with the op's own
   dimension numbers; convolutions :func:`~qtrain.core.conv_general_qt.quantized_conv`):
-  the same codes, scales, layouts and epilogue, so the same numbers.
+  the same codes, scales, layouts and epilogue, so the same numbers (op by
+  op: under ``jax.jit`` XLA fuses each graph its own way and may sum a float x
+  dequantized product in another order).
 * ``"triton"`` / ``"interpret"`` (and ``"auto"`` on a GPU where a kernel takes
   the layer): the activation is reshaped to ``(M, K)`` in the weight's K
   order and multiplied with the packed weight as a
@@ -53,6 +60,7 @@ from qtrain.core import qdot
 from qtrain.core import qt_operand as qop
 from qtrain.core import qtypes
 from qtrain.core.conv_general_qt import quantized_conv
+from qtrain.core.dot_general_qt import merge_tiled_contraction
 
 IMPLEMENTATIONS = cfg_lib.IMPLEMENTATIONS
 ARRAY_FIELDS = ("words", "w_scale", "w_zero", "scale_a", "bias_a", "bias")
@@ -312,10 +320,10 @@ def _kernel_qarray(layer: FrozenLayer) -> qa.QArray:
   def scale(a):
     if layer.group_size is None:
       s = a.reshape(bshape + fshape + (1,) * len(cshape))
-    else:  # groups along the last contracting axis, repeated over the others: take one copy
-      s = a.reshape(bshape + fshape + cshape[:-1] + (cshape[-1] // layer.group_size,))
-      nbf = len(bshape) + len(fshape)
-      s = s[(slice(None),) * nbf + (slice(0, 1),) * (len(cshape) - 1)]
+    elif len(cshape) == 1:
+      s = a.reshape(bshape + fshape + (cshape[0] // layer.group_size,))
+    else:  # groups of the flattened contraction (merged by the op): one scale per element
+      s = jnp.repeat(a, layer.group_size, axis=-1).reshape(bshape + fshape + cshape)
     return jnp.transpose(s, inv)
   return qa.QArray(qvalue=qv, scale=scale(layer.w_scale),
                    zero_point=None if layer.w_zero is None else scale(layer.w_zero), qtype=qt)
@@ -332,10 +340,47 @@ def _place(v, ndim: int, axes) -> jax.Array:
   return jnp.reshape(v, shape)
 
 
-def quantize_act(layer: FrozenLayer, x, *, contract, channel_axes, tile_axis):
-  """``x`` (+ the learned shift) quantized per the layer's ``act`` (or float ``x``)."""
-  if layer.bias_a is not None:
-    x = x + _place(layer.bias_a, x.ndim, contract).astype(x.dtype)
+def shift_act(layer: FrozenLayer, x, contract):
+  """``x`` plus the layer's learned input shift (laid along the contracting axes), if any."""
+  if layer.bias_a is None:
+    return x
+  return x + _place(layer.bias_a, x.ndim, contract).astype(x.dtype)
+
+
+def merge_contraction(act, w, dn, w_idx: int, tiles) -> tuple:
+  """The op's merge of a tiled contraction of several axes, on (activation, weight).
+
+  ``tiles``: the (activation, weight) tile sizes. Returns ``(act, w, dn)`` as
+  :func:`~qtrain.core.dot_general_qt.merge_tiled_contraction` hands them to
+  the product (unchanged where it merges nothing).
+  """
+  ops, ts = [None, None], [None, None]
+  ops[w_idx], ops[1 - w_idx] = w, act
+  ts[w_idx], ts[1 - w_idx] = tiles[1], tiles[0]
+  lhs, rhs, dn, _, _ = merge_tiled_contraction(ops[0], ops[1], dn, tuple(ts))
+  return (rhs, lhs, dn) if w_idx == 0 else (lhs, rhs, dn)
+
+
+def is_merged(dn, tiles) -> bool:
+  """Whether the op merges its contraction (a tile on either side, several contracting axes)."""
+  return any(tiles) and len(dn[0][0]) > 1
+
+
+def merged_order(dn, w_idx: int) -> tuple[int, ...]:
+  """The weight's contracting axes in the order the merged contraction flattens them (the
+  order of the paired lhs axes): a merged layer's ``layout`` lists them so."""
+  return tuple(int(p[w_idx]) for p in sorted(zip(*dn[0])))
+
+
+def act_tile(layer: FrozenLayer) -> int | None:
+  act = layer.act_dict
+  return None if act is None else act.get("tile_size")
+
+
+def quantize_act(layer: FrozenLayer, x, *, contract, channel_axes, tile_axis, shifted=False):
+  """``x`` (+ the learned shift unless ``shifted``) quantized per the layer's ``act`` (or float ``x``)."""
+  if not shifted:
+    x = shift_act(layer, x, contract)
   act = layer.act_dict
   if act is None:
     return x
@@ -478,8 +523,12 @@ def dot_product(layer: FrozenLayer, a_val, dn, out_dtype, implementation: str, w
       return out
   ops = [None, None]
   ops[w_idx], ops[a_idx] = layer.kernel_qarray(), a_val
+  # A float activation times the weight computes as the QT op does: in the promoted dtype of
+  # the two original dtypes.
+  cdt = None if isinstance(a_val, qa.QArray) else qop.compute_dtype(a_val.dtype, layer.weight_dtype)
   return dispatch.quantized_dot_general(ops[0], ops[1], dn, preferred_element_type=out_dtype,
-                                        implementation="xla" if impl == "xla" else "auto")
+                                        implementation="xla" if impl == "xla" else "auto",
+                                        compute_dtype=cdt)
 
 
 def _im2col(layer: FrozenLayer, a_val, p):
@@ -580,15 +629,24 @@ def dot_general(layer: FrozenLayer, lhs, rhs, dimension_numbers, *, preferred_el
                                         w_ndim if w_idx else jnp.ndim(rhs))
   _check_weight(layer, w, where)
   (c, b) = (dn[0][w_idx], dn[1][w_idx])
+  if is_merged(dn, (act_tile(layer), layer.group_size)):
+    c = merged_order(dn, w_idx)
   if (tuple(c), tuple(b)) != tuple(layer.layout):
     raise _mismatch(where, f"its op contracts weight axes {c} (batch {b}); frozen for "
                            f"{layer.layout[0]} (batch {layer.layout[1]})")
   _check_float(act, where)
   out_dtype = _out_dtype(preferred_element_type, jnp.result_type(act),
                          layer.weight_dtype if w is None else jnp.result_type(w))
+  act = shift_act(layer, act, dn[0][1 - w_idx])
+  act, merged_w, dn = merge_contraction(
+      act, jnp.zeros(layer.kernel_shape, layer.weight_dtype), dn, w_idx,
+      (act_tile(layer), layer.group_size))
+  if merged_w.shape != layer.kernel_shape:  # the op's view: one merged contracting axis
+    layer = dataclasses.replace(layer, kernel_shape=tuple(merged_w.shape),
+                                layout=(tuple(dn[0][w_idx]), tuple(dn[1][w_idx])))
   ac, ab = dn[0][1 - w_idx], dn[1][1 - w_idx]
   a_val = quantize_act(layer, act, contract=ac, channel_axes=_channel_axes(act.ndim, ac, ab),
-                       tile_axis=ac[-1] if ac else None)
+                       tile_axis=ac[-1] if ac else None, shifted=True)
   return dot_product(layer, a_val, dn, out_dtype, implementation, where)
 
 

@@ -60,7 +60,8 @@ parameter itself as its weight (as the QT forward's interception expects).
   QT forward's (:func:`qtrain.pallas.dispatch.quantized_dot_general` with the
   op's dimension numbers; convolutions
   :func:`~qtrain.core.conv_general_qt.quantized_conv`): the same numbers as
-  the quantized model's forward;
+  the quantized model's forward (op by op; under ``jax.jit`` XLA may sum a
+  float x dequantized product of either graph in another order);
 * ``"auto"``: on a GPU, the Triton kernels on the packed weights where they
   take the layer, else as ``"xla"`` through dispatch's ``"auto"``; elsewhere
   the XLA path (the same choice the rules' default makes, so on the CPU the
@@ -305,8 +306,20 @@ def _from_record(rec, provider, module_params: Mapping, state: Mapping, where: s
   kernel = jnp.asarray(raw).astype(dtypes[w_idx])  # the module's cast, as the op saw it
   if conv:
     return _frozen.build_conv(kernel, rhs_spec=rhs_spec, w_cfg=w_cfg, where=where, **fields)
-  return _frozen.build_dot(kernel, contract=dn[0][w_idx], batch=dn[1][w_idx], w_cfg=w_cfg,
-                           where=where, **fields)
+  # Where a tile meets a multi-axis contraction the op quantizes the merged contraction; the
+  # activation's other axes do not matter to the merge, so a small stand-in takes its place.
+  ac, ab = dn[0][1 - w_idx], dn[1][1 - w_idx]
+  stand_in = jnp.zeros([s if a in ac or a in ab else 1 for a, s in enumerate(shapes[1 - w_idx])],
+                       dtypes[1 - w_idx])
+  _, merged, mdn = _frozen.merge_contraction(
+      stand_in, kernel, dn, w_idx, (None if a_cfg is None else a_cfg.tile_size,
+                                    None if w_cfg is None else w_cfg.tile_size))
+  layer = _frozen.build_dot(merged, contract=mdn[0][w_idx], batch=mdn[1][w_idx], w_cfg=w_cfg,
+                            where=where, **fields)
+  if merged.shape == kernel.shape:
+    return layer
+  return dataclasses.replace(layer, kernel_shape=tuple(int(d) for d in kernel.shape),
+                             layout=(_frozen.merged_order(dn, w_idx), tuple(dn[1][w_idx])))
 
 
 def _subtree(tree: Mapping, path: str, where: str, what: str) -> Mapping:

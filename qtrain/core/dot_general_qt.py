@@ -226,7 +226,7 @@ def _merge_axes(x, scale, group, batch, what):
   return merge(x), scale, pos, tuple(new_index[a] for a in batch)
 
 
-def merge_tiled_contraction(lhs, rhs, dn, config, lhs_scale=None, rhs_scale=None):
+def merge_tiled_contraction(lhs, rhs, dn, tile_sizes, lhs_scale=None, rhs_scale=None):
   """Makes ``tile_size`` apply to the whole contraction of a multi-axis contraction.
 
   ``tile_size`` groups the contraction, the product of the contracting axes in
@@ -238,20 +238,23 @@ def merge_tiled_contraction(lhs, rhs, dn, config, lhs_scale=None, rhs_scale=None
   where they are not already adjacent and in the same order) and reshaped to
   one axis; JAX differentiates the reshape. The output layout does not change.
 
+  ``tile_sizes``: ``(lhs tile_size, rhs tile_size)``, None where untiled (the
+  config's; :mod:`qtrain.freeze` passes the frozen weight's, so frozen layers
+  group their weights exactly as the op does).
+
   Returns ``(lhs, rhs, dn, lhs_scale, rhs_scale)``, unchanged when there is
   nothing to merge. Raises ValueError when a tile does not divide the contraction.
   """
   (lc, rc), (lb, rb) = dn
-  tiled = [(n, oq) for n, oq in (("lhs", config.lhs), ("rhs", config.rhs))
-           if oq is not None and oq.tile_size]
+  tiled = [(n, t) for n, t in zip(("lhs", "rhs"), tile_sizes) if t]
   if not tiled or len(lc) < 2:
     return lhs, rhs, dn, lhs_scale, rhs_scale
   sizes = tuple(int(jnp.shape(lhs)[a]) for a in lc)
   k = int(np.prod(sizes))
-  for name, oq in tiled:
-    if k % oq.tile_size:
+  for name, tile in tiled:
+    if k % tile:
       raise ValueError(
-          f"config.{name}.tile_size={oq.tile_size} does not divide the contraction of size {k} "
+          f"config.{name}.tile_size={tile} does not divide the contraction of size {k} "
           f"(contracting axes {tuple(lc) if name == 'lhs' else tuple(rc)} of {name} shape "
           f"{tuple(jnp.shape(lhs if name == 'lhs' else rhs))}: {' x '.join(map(str, sizes))})")
   # The contraction is flattened in the order its axes lie in lhs (the pairs sorted by the lhs
@@ -321,8 +324,9 @@ def dot_general_qt(
                                         lhs_shape=jnp.shape(lhs), rhs_shape=jnp.shape(rhs))
   if config.needs_key and key is None:
     raise ValueError("config asks for stochastic_rounding in dlhs_grad/drhs_grad: pass key=")
-  lhs, rhs, dn, lhs_scale, rhs_scale = merge_tiled_contraction(lhs, rhs, dn, config, lhs_scale,
-                                                               rhs_scale)
+  lhs, rhs, dn, lhs_scale, rhs_scale = merge_tiled_contraction(
+      lhs, rhs, dn, tuple(None if oq is None else oq.tile_size for oq in (config.lhs, config.rhs)),
+      lhs_scale, rhs_scale)
   for name, oq, x, c in (("lhs", config.lhs, lhs, dn[0][0]), ("rhs", config.rhs, rhs, dn[0][1])):
     if oq is not None and oq.tile_size:
       if not c:
