@@ -143,7 +143,7 @@ def calibration_scales(x: np.ndarray, qt: qtypes.QType, cal, cw, tiles):
   relative tolerance, zero bound) in the scale's shape, per the Calibration
   docstring: scale = bound * multiplier / qmax (minmax: span / (qmax - qmin)),
   a zero bound gives 1 (binary: 0); issue 16's contract clamps it below at
-  TINY32.
+  TINY32 and above where the largest code times it would overflow float32.
 
   Tolerances: each float32 rounding on the way is one u (multiplier, / qmax);
   a float32 sum of n positive terms is within gamma(n) (absmean, rms; rms
@@ -186,7 +186,11 @@ def calibration_scales(x: np.ndarray, qt: qtypes.QType, cal, cw, tiles):
     s = np.where(span == 0, 1.0, np.maximum(span / (qt.qmax - qt.qmin), TINY32))
     return s, np.full_like(s, gamma(4)), span == 0
   zero = bound == 0
-  s_raw = bound * m / qt.qmax
+  # The cap: the largest scale whose largest code (qmax, or -qmin where values can clip
+  # there) times it stays finite in float32 (the contract of qarray.max_scale).
+  codes = qt.qmax if (cal.method == "absmax" and m == 1.0) else max(qt.qmax, -qt.qmin)
+  cap = float(np.finfo(np.float32).max) / codes
+  s_raw = np.minimum(bound * m / qt.qmax, cap)
   s = np.where(zero, 0.0 if qt.kind == "binary" else 1.0, np.maximum(s_raw, TINY32))
   tol_rel = tol + tol_abs * m / qt.qmax / np.maximum(s, TINY32)
   return s, np.where(zero, 0.0, tol_rel), zero

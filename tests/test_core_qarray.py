@@ -508,11 +508,11 @@ def test_two_entries_naming_one_axis_raise_naming_both(cw, tiles, match):
 
 
 # ----------------------------------------------------------------------------
-# Zeros: what the README promises, exactly.
+# Zeros: what the docs promise (qtrain.core.qarray's module docstring), exactly.
 
 
 @pytest.mark.parametrize("qtype", ALL_QTYPES)
-def test_binary_fixed_maps_zero_to_plus_bound_every_other_case_keeps_zeros(qtype):
+def test_binary_fixed_maps_zero_to_plus_bound_in_nonzero_groups_every_other_case_keeps_zeros(qtype):
   x = _rand((4, 64), 31)
   x[1] = 0.0  # an all-zero group
   x[2, ::3] = 0.0  # zeros among non-zeros
@@ -520,8 +520,10 @@ def test_binary_fixed_maps_zero_to_plus_bound_every_other_case_keeps_zeros(qtype
   deq = np.asarray(qarray.dequantize(qarray.quantize(jnp.asarray(x), _spec(qtype, (0,), {}, fixed))))
   if qtype == "binary":
     # No zero code (sign(0) = +1 is what lets binary pack into one bit): a
-    # data-independent bound maps 0 to +bound.
-    np.testing.assert_array_equal(deq[x == 0], 2.0)
+    # data-independent bound maps a 0 among non-zeros to +bound; an all-zero
+    # group gets scale 0 and stays zero.
+    np.testing.assert_array_equal(deq[2][x[2] == 0], 2.0)
+    np.testing.assert_array_equal(deq[1], 0.0)
   else:
     np.testing.assert_array_equal(deq[x == 0], 0.0)
   # Every data-dependent calibration gives an all-zero group back as zeros,

@@ -211,10 +211,16 @@ def forward_budget(case: DotCase, L: Side, Rs: Side, out_dtype, ref, P, Ones_l, 
   u_out = R.unit_roundoff(out_dtype)
   abs_in = 0.0
   float_acc = True
+  beyond_c = 0.0
   if (case.lq is None) != (case.rq is None):
     rel_in, k = R.unit_roundoff(c), n
     if c == jnp.float16:  # float16 keeps subnormals: half a subnormal step per element
       abs_in = R.flush(c) * (Ones_l if case.lq is not None else Ones_r)
+    # A grid value past c's range is Inf in c (the documented policy).
+    q_side = L if case.lq is not None else Rs
+    big = (_finite_abs(q_side.val) >= R.overflow_threshold(c)) * 1.0
+    beyond_c = R.dot64(big, np.ones_like(Rs.val), case.layout.dn) if case.lq is not None else (
+        R.dot64(np.ones_like(L.val), big, case.layout.dn))
   else:
     lt, rt = case.lq.qtype, case.rq.qtype
     nl = case.layout.last_contract_size or 0
@@ -232,21 +238,57 @@ def forward_budget(case: DotCase, L: Side, Rs: Side, out_dtype, ref, P, Ones_l, 
   acc = (rel_in + R.gamma(k) * (1 + rel_in)) * P + (k + 1) * R.TINY32 + abs_in
   budget = (1 + u_out) * acc + u_out * np.abs(ref) + R.flush(out_dtype) + 2 * n * R.U64 * P
   may_overflow = (float_acc & (P * (1 + rel_in) * (1 + R.gamma(k)) >= R.overflow_threshold(jnp.float32))) | (
-      np.abs(ref) + budget >= R.overflow_threshold(jnp.float32))
+      np.abs(ref) + budget >= R.overflow_threshold(jnp.float32)) | (beyond_c > 0)
   return budget, may_overflow
 
 
-def _build(case: DotCase):
+def _merge_group(shape, group, batch):
+  """numpy twin of the op's merge of ``group`` (axes, in order) into one axis at min(group):
+  (function on arrays of ``shape``, merged shape, new index of each batch axis)."""
+  nd, pos = len(shape), min(group)
+  rest = [a for a in range(nd) if a not in group]
+  order = [a for a in rest if a < pos] + list(group) + [a for a in rest if a > pos]
+  mshape = (tuple(shape[a] for a in order[:pos]) + (int(np.prod([shape[a] for a in group])),)
+            + tuple(shape[a] for a in order[pos + len(group):]))
+  new = {a: (i if i < pos else (pos if i < pos + len(group) else i - len(group) + 1))
+         for i, a in enumerate(order)}
+  return (lambda v: np.transpose(v, order).reshape(mshape)), mshape, tuple(new[a] for a in batch)
+
+
+def merged(case: DotCase):
+  """The case as the op computes it, and the maps of lhs- / rhs-shaped arrays into it.
+
+  A tile over a contraction of several axes groups the whole contraction,
+  flattened in the order of the lhs's contracting axes (the documented
+  contract of dot_general_qt); the reference quantizes and multiplies the
+  merged operands, whose product has the original output layout.
+  """
   lay = case.layout
   (lc, rc), (lb, rb) = lay.dn
+  tiled = any(oq is not None and oq.tile_size for oq in (case.lq, case.rq))
+  if not tiled or len(lc) < 2:
+    return case, (lambda v: v), (lambda v: v)
+  pairs = sorted(zip(lc, rc))
+  fl, lshape, lb2 = _merge_group(lay.lhs_shape, [p[0] for p in pairs], lb)
+  fr, rshape, rb2 = _merge_group(lay.rhs_shape, [p[1] for p in pairs], rb)
+  dn = (((min(lc),), (min(rc),)), (lb2, rb2))
+  return dataclasses.replace(case, layout=S.DotLayout(lshape, rshape, dn)), fl, fr
+
+
+def _build(case: DotCase):
+  """(x, w, cfg) for the op, and (merged case, x, w, lspec, rspec) for the reference."""
+  lay = case.layout
   x = S.make(case.lv, lay.lhs_shape, case.ldtype)
   w = S.make(case.rv, lay.rhs_shape, case.rdtype)
-  lspec = None if case.lq is None else operand_spec(case.lq, x.ndim, lc, lb)
-  rspec = None if case.rq is None else operand_spec(case.rq, w.ndim, rc, rb)
   cfg = C.DotGeneralQtConfig(lhs=case.lq, rhs=case.rq, dlhs_grad=case.dlhs, drhs_grad=case.drhs,
                              implementation=case.implementation)
   hypothesis.note(f"lhs = {x!r}\nrhs = {w!r}")
-  return x, w, lspec, rspec, cfg
+  mcase, fl, fr = merged(case)
+  (lc, rc), (lb, rb) = mcase.layout.dn
+  xm, wm = fl(x), fr(w)
+  lspec = None if case.lq is None else operand_spec(case.lq, xm.ndim, lc, lb)
+  rspec = None if case.rq is None else operand_spec(case.rq, wm.ndim, rc, rb)
+  return x, w, cfg, (mcase, xm, wm, lspec, rspec, fl, fr)
 
 
 def _quantize_both(x, w, lspec, rspec):
@@ -260,7 +302,7 @@ def _out_dtype(case):
 
 
 def check_forward(case: DotCase) -> None:
-  x, w, lspec, rspec, cfg = _build(case)
+  x, w, cfg, (mcase, xm, wm, lspec, rspec, _, _) = _build(case)
   dn = case.layout.dn
   pet = case.preferred
 
@@ -268,12 +310,13 @@ def check_forward(case: DotCase) -> None:
   out_dtype = _out_dtype(case)
 
   @jax.jit
-  def run(x, w):
+  def run(x, w, xm, wm):
     out = dot_general_qt(x, w, dn, cfg, preferred_element_type=pet, key=key)
     lax_out = jax.lax.dot_general(x, w, dn, preferred_element_type=out_dtype)
-    return out, lax_out, _quantize_both(x, w, lspec, rspec)
+    return out, lax_out, _quantize_both(xm, wm, lspec, rspec)
 
-  out, lax_out, (ql, qr) = run(jnp.asarray(x), jnp.asarray(w))
+  out, lax_out, (ql, qr) = run(jnp.asarray(x), jnp.asarray(w), jnp.asarray(xm), jnp.asarray(wm))
+  case, dn, x, w = mcase, mcase.layout.dn, xm, wm  # the reference: the op's merged view
   assert out.shape == lax_out.shape and out.dtype == out_dtype, (out.shape, out.dtype)
   if case.lq is None and case.rq is None:
     # No quantization: the op is lax.dot_general with preferred_element_type =
@@ -393,11 +436,14 @@ def backward_bound(case, g, x: Side, y: Side, gq, which: str):
   g_letters = os_
   y_free_letters = {ys[a] for a in yfree}
   g_red_axes = tuple(i for i, ch in enumerate(g_letters) if ch in y_free_letters)
+  beyond_c = 0.0
   if gq is None:
     P = bar(np.abs(g64), _finite_abs(y.val))
     rel_in = R.unit_roundoff(c) if y.oq is not None else 0.0
     k = n_bwd
     quant = 0.0
+    if y.oq is not None:  # a grid value past c's range is Inf in c (the documented policy)
+      beyond_c = bar(np.ones_like(g64), (_finite_abs(y.val) >= R.overflow_threshold(c)) * 1.0)
   else:
     yv = y.val
     gp = g64
@@ -432,7 +478,7 @@ def backward_bound(case, g, x: Side, y: Side, gq, which: str):
   acc = quant + (rel_in + R.gamma(k) * (1 + rel_in)) * P + (k + 1) * R.TINY32
   budget = (1 + u_x) * acc + u_x * np.abs(ref) + R.flush(x.dtype) + 2 * n_bwd * R.U64 * P
   may_overflow = (P * (1 + rel_in) * (1 + R.gamma(k)) >= R.overflow_threshold(jnp.float32)) | (
-      np.abs(ref) + budget >= R.overflow_threshold(x.dtype))
+      np.abs(ref) + budget >= R.overflow_threshold(x.dtype)) | (beyond_c > 0)
   return ref, budget, may_overflow
 
 
@@ -446,9 +492,9 @@ def clip_mask(x: Side):
   qt = oq.qtype
   s = np.where(x.s_full == 0, 1.0, x.s_full)
   y = x.x / s
-  if x.zp_full is not None:
+  if x.zp_full is not None:  # the documented range: [qmin - 1/2, qmax + 1/2] after the shift
     y = y + x.zp_full
-    dist = np.maximum(qt.qmin - y, y - qt.qmax)
+    dist = np.maximum(qt.qmin - 0.5 - y, y - qt.qmax - 0.5)
   else:
     dist = np.abs(y) - qt.qmax
   tol = 4 * R.U32 * (np.abs(y) + 1)
@@ -459,7 +505,7 @@ def clip_mask(x: Side):
 
 
 def check_backward(case: DotCase) -> None:
-  x, w, lspec, rspec, cfg = _build(case)
+  x, w, cfg, (mcase, xm, wm, lspec, rspec, fl, fr) = _build(case)
   dn = case.layout.dn
   pet = case.preferred
   out_dtype = _out_dtype(case)
@@ -469,12 +515,16 @@ def check_backward(case: DotCase) -> None:
   key = jax.random.key(case.gv.seed) if cfg.needs_key else None
 
   @jax.jit
-  def run(x, w, g, key):
+  def run(x, w, xm, wm, g, key):
     f = lambda a, b: dot_general_qt(a, b, dn, cfg, preferred_element_type=pet, key=key)
     _, vjp = jax.vjp(f, x, w)
-    return vjp(g), _quantize_both(x, w, lspec, rspec)
+    return vjp(g), _quantize_both(xm, wm, lspec, rspec)
 
-  (lbar, rbar), (ql, qr) = run(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g), key)
+  (lbar, rbar), (ql, qr) = run(jnp.asarray(x), jnp.asarray(w), jnp.asarray(xm), jnp.asarray(wm),
+                               jnp.asarray(g), key)
+  assert lbar.shape == x.shape and rbar.shape == w.shape, (lbar.shape, rbar.shape)
+  # The reference: the op's merged view (gradients mapped into it as the operands are).
+  case, dn, x, w, lbar, rbar = mcase, mcase.layout.dn, xm, wm, fl(np.asarray(lbar)), fr(np.asarray(rbar))
   L = make_side(x, case.lq, ql, lspec, case.ldtype)
   Rs = make_side(w, case.rq, qr, rspec, case.rdtype)
   for which, bar, X, Y, gq in (("lhs", lbar, L, Rs, case.dlhs), ("rhs", rbar, Rs, L, case.drhs)):

@@ -143,6 +143,10 @@ def _forward(lhs, rhs, lhs_scale, rhs_scale, p, config, out_dtype):
   lhs_channels = (lhs_spec[0],) if p["batch_group_count"] == 1 else ()
   lres = dqt.quantize_operand(lhs, config.lhs, lhs_scale, lhs_channels, None, "lhs")
   rres = dqt.quantize_operand(rhs, config.rhs, rhs_scale, (rhs_spec[0],), None, "rhs")
+  if config.lhs is None and config.rhs is None:
+    # Nothing quantized: jax.lax.conv_general_dilated itself (which, unlike dot_general, takes
+    # no mixed float dtypes), as dot_general_qt's unquantized forward is lax.dot_general.
+    return _conv(lhs, rhs, p, out_dtype), (lres, rres)
   ctype = dqt.compute_dtype(lhs.dtype, rhs.dtype)
   return quantized_conv(lres.value, rres.value, p, out_dtype, ctype), (lres, rres)
 

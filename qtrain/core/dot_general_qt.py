@@ -83,27 +83,36 @@ def transpose_dims(dn, x_ndim: int, y_ndim: int, *, swap_ans: bool):
 def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
   """Moves ``y``'s scale into ``g`` when it varies along the contraction.
 
-  Returns (g', y') or None when the scale varies jointly along contracted and
-  free axes of this product (then the caller multiplies in float).
+  Returns (g', y', m) or None when the scale varies jointly along contracted
+  and free axes of this product (then the caller multiplies in float). ``g'``
+  is ``g`` times ``y``'s scale over ``m``, a power of two at least its largest
+  value (per batch index; shape ``(batch...)``): ``g * scale`` itself can
+  overflow float32 (a gradient of 1e25 times a scale of 1e20) where the
+  product does not, and dividing by a power of two is exact, so multiplying
+  the product by ``m`` gives the same numbers wherever nothing overflows.
   """
   (gc, yk), (gb, yb) = dims
   ys = y.scale
   y_free = [a for a in range(y.ndim) if a not in yk and a not in yb]
   varies = lambda axes: any(ys.shape[a] != 1 for a in axes)
   if not varies(yk):
-    return g, y
+    return g, y, None
   if varies(y_free):
     return None
   t = jnp.transpose(ys, tuple(yb) + tuple(yk) + tuple(y_free))
   t = t.reshape(t.shape[:len(yb) + len(yk)])
   nb = len(yb)
+  top = jnp.max(jnp.abs(t), axis=tuple(range(nb, t.ndim)), keepdims=True)
+  _, e = jnp.frexp(jnp.where(jnp.isfinite(top) & (top > 0), top, 1.0))
+  m = jnp.ldexp(jnp.float32(1), e)  # a power of two >= top (scales are <= float32 max / 2)
+  t = t / m
   if swap_ans:
     s_g = t.reshape(t.shape + (1,) * nxk)
   else:
     s_g = t.reshape(t.shape[:nb] + (1,) * nxk + t.shape[nb:])
   g2 = g.astype(jnp.float32) * s_g
   y2 = dataclasses.replace(y, scale=jnp.ones((1,) * y.ndim, jnp.float32))
-  return g2, y2
+  return g2, y2, m.reshape(m.shape[:nb])
 
 
 def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, key,
@@ -116,20 +125,20 @@ def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, k
   from qtrain.pallas import dispatch  # the kernels' seam
 
   dims, perm, g_free = transpose_dims(dn_x_first, x_ndim, y_res.ndim, swap_ans=swap_ans)
-  g_in = g
+  g_in, y_in, m = g, y_res, None
   if gq is not None:
-    y_in = y_res
     if qdot.is_quantized(y_res):
       x_kept = len(qdot.free_axes(x_ndim, dn_x_first[0][0], dn_x_first[1][0]))
       folded = _fold_scale(g, y_res, dims, swap_ans, x_kept)
       if folded is not None:
-        g_in, y_in = folded
+        g_in, y_in, m = folded
     g_in = quantize_grad(g_in, gq, g_free, key)
-  else:
-    y_in = y_res
   ctype = compute_dtype(g.dtype, y_dtype if y_dtype is not None else jnp.float32)
-  r = dispatch.quantized_dot_general(g_in, y_in, dims, preferred_element_type=out_dtype,
-                                     implementation=implementation, compute_dtype=ctype)
+  r = dispatch.quantized_dot_general(
+      g_in, y_in, dims, preferred_element_type=out_dtype if m is None else jnp.float32,
+      implementation=implementation, compute_dtype=ctype)
+  if m is not None:  # the fold's power of two, per batch index (the product's leading axes)
+    r = (r * m.reshape(m.shape + (1,) * (r.ndim - m.ndim))).astype(out_dtype)
   return jnp.transpose(r, perm).reshape(x_shape)
 
 

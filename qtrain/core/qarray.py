@@ -9,10 +9,11 @@ size is the full size for a *channelwise* axis (one scale per index), the
 number of tiles for a *tiled* axis (group-wise scales along the contracting
 axis, ``size // tile_size``), and 1 for an axis reduced over.
 
-Zeros: every data-dependent calibration (all but ``fixed``) gives an all-zero
-group the scale 1 (0 for ``binary``), so it comes back as exact zeros.
+Zeros: every calibration gives an all-zero group back as exact zeros (scale
+1 from the data-dependent ones, 0 for ``binary`` whatever the calibration).
 ``binary`` has no zero code (sign(0) = +1, which is what lets it pack into one
-bit), so with a ``fixed`` bound it maps 0 to +bound.
+bit), so a 0 among non-zero values of its group comes back as +scale (with a
+``fixed`` bound: +bound).
 
 Finite inputs of any float32 magnitude give finite scales and finite
 dequantized values: scales are floored at the smallest normal float32
@@ -385,8 +386,8 @@ def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | 
 
   For finite ``x`` every scale is finite and in [TINY, max_scale]: an
   all-zero group gets 1 (its values come back as exact zeros), or 0 for
-  ``binary`` (no zero code: +1 * 0 = 0); data-dependent calibrations decide
-  "all zero" from the data, not from the bound. A group holding a NaN/Inf
+  ``binary`` (no zero code: +1 * 0 = 0; ``fixed`` too); "all zero" is decided
+  from the data, not from the bound. A group holding a NaN/Inf
   gets a NaN scale.
   """
   qt: qtypes.QType = spec.qtype  # type: ignore[assignment]
@@ -403,8 +404,11 @@ def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | 
   ax = jnp.abs(xs)
   codes = _symmetric_codes(qt, cal)
   if cal.method == "fixed":
-    s = _bound_scale(jnp.float32(cal.bound), cal.multiplier, qt.qmax, codes)
-    return jnp.full(out_shape, s, jnp.float32), None
+    s = jnp.full(out_shape, _bound_scale(jnp.float32(cal.bound), cal.multiplier, qt.qmax, codes),
+                 jnp.float32)
+    if qt.kind == "binary":  # no zero code: an all-zero group gets scale 0, so it stays zero
+      s = jnp.where(gmax(ax) == 0, 0.0, s.reshape(gmax(ax).shape)).reshape(out_shape)
+    return s, None
   finite = None  # where the group's data are finite (None: the bound tells)
   if cal.method == "absmax":
     bound = gmax(ax)

@@ -39,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import operator
 
 import jax
@@ -268,6 +269,8 @@ def dot_general_quantized_xla(
   out_dtype = jnp.dtype(preferred_element_type)
   dn = normalize_dimension_numbers(dimension_numbers, lhs.ndim, rhs.ndim,
                                    lhs_shape=lhs.shape, rhs_shape=rhs.shape)
+  if math.prod(lhs.shape) == 0 or math.prod(rhs.shape) == 0:  # an empty sum (K = 0) is 0
+    return jnp.zeros(output_shape(lhs.shape, rhs.shape, dn), out_dtype)
   if not (is_quantized(lhs) and is_quantized(rhs)):
     return _float_dot(lhs, rhs, dn, out_dtype, compute_dtype, precision)
   if lhs.qtype.is_float != rhs.qtype.is_float:

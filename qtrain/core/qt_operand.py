@@ -18,7 +18,13 @@ and the dtype policy both ops follow (:func:`check_operands`,
   from float32 times float16 activations computes in float32 (dequantizing
   it into float16 would overflow or flush values the float32 weight holds).
   In a backward product the float side is the incoming gradient (in the
-  output dtype) and the quantized side the other operand's residual.
+  output dtype) and the quantized side the other operand's residual. A grid
+  value beyond that dtype's range (``absmean`` and ``minmax`` grids can reach
+  past the data: int4 ``absmean`` of float16 values near 6e4) is Inf there,
+  as the same float16 product of that value would be; quantize such data
+  from float32 or with ``absmax``.
+* Nothing quantized: the op is ``jax.lax.dot_general`` /
+  ``jax.lax.conv_general_dilated`` itself (the latter takes no mixed dtypes).
 * Two quantized operands: integer-like x integer-like as int8 x int8 ->
   int32, fp8 x fp8 (either kind, mixed e4m3fn x e5m2 included) -> float32,
   both exact before the scales; integer x fp8 and scales that do not factor

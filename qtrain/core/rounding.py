@@ -62,7 +62,7 @@ def _bytes(key: jax.Array, shape) -> jax.Array:
   words = _random_words(key, shape[:-1] + (-(-n // 4),))
   shifts = jnp.arange(0, 32, 8, dtype=jnp.uint32)
   b = (words[..., None] >> shifts) & 0xFF
-  return b.reshape(shape[:-1] + (-1,))[..., :n]
+  return b.reshape(shape[:-1] + (4 * words.shape[-1],))[..., :n]  # no -1: shapes may be empty
 
 
 def _clip(y: jax.Array, qt: qtypes.QType) -> jax.Array:
