@@ -10,8 +10,12 @@ A run writes one JSON file, ``benchmarks/records/<benchmark>-<date>-<device>-<se
 plus one). ``benchmarks/RESULTS.md`` holds, between ``<!-- begin:<benchmark> -->`` and
 ``<!-- end:<benchmark> -->``, a table rebuilt from every GPU record of that benchmark:
 one row per case (a kernel x shape x M, a training-step config x width) with the
-figures of its latest run and a link to that run's record. Text outside the markers is
-left as it is.
+figures of its latest run, its ratios to the baselines measured in that same run (XLA
+bf16 and XLA int8 for a kernel; bf16 and the qwix config of the same qtypes for a
+training step), and that run's record, date, device and jax version; the commands are
+listed under each table. Each row starts with an anchor (:func:`kernel_anchor`,
+:func:`step_anchor`) that README.md and docs/ link to. Text outside the markers is left
+as it is.
 
 RESULTS.md holds GPU figures only: a run on another platform writes its record (by
 default to a temporary directory) and leaves RESULTS.md alone, and records whose
@@ -202,8 +206,50 @@ def _run_id(prefix: str, rec: dict) -> str:
   return f"{prefix}{rec['seq']}"
 
 
-def _run_link(prefix: str, rec: dict) -> str:
-  return f"[{_run_id(prefix, rec)}](records/{rec['file']}) {rec['meta']['date']}"
+def _run_cells(prefix: str, rec: dict) -> str:
+  """A row's last four cells: run (linked to its record), date, device, jax version."""
+  m = rec["meta"]
+  jax_version = (m.get("versions") or {}).get("jax") or ""
+  return (f"[{_run_id(prefix, rec)}](records/{rec['file']}) | {m['date']} | {m['device']} | "
+          f"{jax_version}")
+
+
+def slug(text: str) -> str:
+  """A row anchor's text: lower case, runs of other characters as one ``-``.
+
+  >>> slug("int8 x int8"), slug("qtrain_int8_lowbit")
+  ('int8-x-int8', 'qtrain-int8-lowbit')
+  """
+  return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def kernel_anchor(k: int, n: int, m: int, kernel: str) -> str:
+  """The anchor of a kernel row (``RESULTS.md#<anchor>``).
+
+  >>> kernel_anchor(8192, 28672, 16, "int8 x int8")
+  'k-8192x28672-m16-int8-x-int8'
+  """
+  return f"k-{k}x{n}-m{m}-{slug(kernel)}"
+
+
+def step_anchor(d: int, t: int, config: str) -> str:
+  """The anchor of a training-step row (``RESULTS.md#<anchor>``).
+
+  >>> step_anchor(4096, 8192, "qtrain_int8_lowbit")
+  's-d4096-t8192-qtrain-int8-lowbit'
+  """
+  return f"s-d{d}-t{t}-{slug(config)}"
+
+
+def _anchor(name: str) -> str:
+  return f'<a id="{name}"></a>'
+
+
+def _ratio_in_run(rec: dict, match: Callable[[dict], bool], value: float, field: str) -> str:
+  """``baseline / value`` where ``rec`` has a row ``match`` picks (the same run's baseline)."""
+  base = next((r.get(field) for r in rec["rows"]
+               if match(r) and r.get("error") is None and r.get(field)), None)
+  return "" if base is None or not value else _x(base / value)
 
 
 def _runs_list(prefix: str, recs: list[dict]) -> list[str]:
@@ -265,24 +311,32 @@ def render_kernels(recs: list[dict]) -> str:
   latest = _latest(recs, lambda r: (r["k"], r["n"], r["m"], r["kernel"]))
   shapes = sorted({(k, n) for k, n, _, _ in latest}, key=lambda s: (-s[0] * s[1], s))
   lines = ["## Kernels", "",
-           "Each row is the latest run of that case. *vs XLA bf16*: XLA's bf16 `x @ w` (best of "
-           "its default flags and `--xla_gpu_enable_triton_gemm=false`) over the kernel's time, "
-           "both from that run; *of copy bw*: the weight stream (packed weights + scales) per "
-           "second over the copy bandwidth measured in that run; *config*: the default config "
-           "the kernel picked, where it says more than the kernel's name.", ""]
+           "Each row is the latest run of that case; every ratio is against a baseline of the "
+           "same shape and M measured in that same run. *vs XLA bf16*: XLA's bf16 `x @ w` (best "
+           "of its default flags and `--xla_gpu_enable_triton_gemm=false`) over the kernel's "
+           "time; *vs XLA int8*: XLA's int8 GEMM with int32 output and its scaling pass (the "
+           "strongest XLA baseline; it quantizes the activations too) over the kernel's time; "
+           "*of copy bw*: the weight stream (packed weights + scales) per second over the copy "
+           "bandwidth measured in that run; *config*: the default config the kernel picked, "
+           "where it says more than the kernel's name. The run's command is in the list under "
+           "the tables.", ""]
   used = {}
   for k, n in shapes:
     lines += [f"### (K, N) = ({k}, {n})", "",
-              "| M | kernel | µs | vs XLA bf16 | of copy bw | config | run |",
-              "|---|---|---|---|---|---|---|"]
+              "| M | kernel | µs | vs XLA bf16 | vs XLA int8 | of copy bw | config | run | date | "
+              "device | jax |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     cases = sorted((key for key in latest if key[:2] == (k, n)),
                    key=lambda c: (c[2], _kernel_order(c[3])))
     for case in cases:
       row, rec = latest[case]
       used[rec["seq"]] = rec
-      lines.append(f"| {row['m']} | {row['kernel']} | {row['us']:.1f} | "
-                   f"{_x(row.get('vs_xla_bf16'))} | {_pct(row.get('of_copy_bw'))} | "
-                   f"{_short_note(row.get('note'))} | {_run_link('k', rec)} |")
+      same = lambda r: (r["k"], r["n"], r["m"], r["kernel"]) == (k, n, row["m"], "xla int8")
+      lines.append(f"| {_anchor(kernel_anchor(k, n, row['m'], row['kernel']))}{row['m']} | "
+                   f"{row['kernel']} | {row['us']:.1f} | {_x(row.get('vs_xla_bf16'))} | "
+                   f"{_ratio_in_run(rec, same, row['us'], 'us')} | "
+                   f"{_pct(row.get('of_copy_bw'))} | {_short_note(row.get('note'))} | "
+                   f"{_run_cells('k', rec)} |")
     lines.append("")
   return "\n".join(lines + _runs_list("k", [used[s] for s in sorted(used)]))
 
@@ -293,26 +347,45 @@ _STEP_ORDER = ("bf16", "qtrain_int8_lowbit", "qtrain_int8_cublas", "qtrain_int8"
                "qwix_fp8", "qtrain_binary")
 
 
+def _qwix_twin(config: str) -> str | None:
+  """The qwix config a qtrain config is compared with (same qtypes), or None.
+
+  >>> _qwix_twin("qtrain_int8_lowbit"), _qwix_twin("qtrain_fp8_nosr"), _qwix_twin("qwix_fp8")
+  ('qwix_int8', 'qwix_fp8', None)
+  """
+  for qt in ("int8", "fp8"):
+    if config.startswith(f"qtrain_{qt}"):
+      return f"qwix_{qt}_fwd" if config.endswith("_fwd") else f"qwix_{qt}"
+  return None
+
+
 def render_train_step(recs: list[dict]) -> str:
   """The training-step table: one row per (tokens, width, config), from its latest run."""
   latest = _latest(recs, lambda r: (r["T"], r["D"], r["config"]))
   lines = ["## Training step", "",
-           "Each row is the latest run of that case. *vs bf16*: the bf16 step of the same width "
-           "in the same run over this step.", ""]
+           "Each row is the latest run of that case; every ratio is against a step of the same "
+           "width measured in that same run. *vs bf16*: the bf16 step's time over this step's; "
+           "*vs qwix*: the qwix step with the same qtypes (`qwix_int8` or `qwix_fp8`) over this "
+           "step's. The run's command is in the list under the tables.", ""]
   used = {}
   for t, d in sorted({(t, d) for t, d, _ in latest}, key=lambda s: (-s[1], s[0])):
     f = next(row["F"] for (tt, dd, _), (row, _) in latest.items() if (tt, dd) == (t, d))
     lines += [f"### D = {d}, F = {f}, T = {t} tokens", "",
-              "| config | ms/step | vs bf16 | final loss | run |", "|---|---|---|---|---|"]
+              "| config | ms/step | vs bf16 | vs qwix | final loss | run | date | device | jax |",
+              "|---|---|---|---|---|---|---|---|---|"]
     order = {name: i for i, name in enumerate(_STEP_ORDER)}
     cases = sorted((c for c in latest if c[:2] == (t, d)),
                    key=lambda c: (order.get(c[2], len(order)), c[2]))
     for case in cases:
       row, rec = latest[case]
       used[rec["seq"]] = rec
+      twin = _qwix_twin(row["config"])
+      vs_qwix = "" if twin is None else _ratio_in_run(
+          rec, lambda r: (r["T"], r["D"], r["config"]) == (t, d, twin), row["ms"], "ms")
       loss = "" if row.get("loss") is None else f"{row['loss']:.4f}".rstrip("0").rstrip(".")
-      lines.append(f"| {row['config']} | {row['ms']:.3f} | {_x(row.get('vs_bf16'))} | {loss} | "
-                   f"{_run_link('s', rec)} |")
+      lines.append(f"| {_anchor(step_anchor(d, t, row['config']))}{row['config']} | "
+                   f"{row['ms']:.3f} | {_x(row.get('vs_bf16'))} | {vs_qwix} | {loss} | "
+                   f"{_run_cells('s', rec)} |")
     lines.append("")
   return "\n".join(lines + _runs_list("s", [used[s] for s in sorted(used)]))
 

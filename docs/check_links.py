@@ -1,0 +1,46 @@
+"""Checks relative links (and their #anchors) in README.md, docs/*.md, benchmarks/*.md.
+
+  python3 docs/check_links.py [REPO_ROOT]
+
+Anchors are GitHub's heading slugs plus explicit <a id="..."> tags. Exits 1 on a broken link.
+"""
+import glob, os, re, sys
+from urllib.parse import unquote
+
+ROOT = sys.argv[1] if len(sys.argv) > 1 else "."
+files = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))) \
+    + sorted(glob.glob(os.path.join(ROOT, "benchmarks", "*.md")))
+
+def strip_code(text):
+  text = re.sub(r"```.*?```", "", text, flags=re.S)
+  return re.sub(r"`[^`\n]*`", "", text)
+
+def anchors(path):
+  text = open(path).read()
+  out, seen = set(), {}
+  for line in re.sub(r"```.*?```", "", text, flags=re.S).splitlines():
+    m = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+    if m:
+      h = re.sub(r"<[^>]+>", "", m.group(1))
+      h = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", h)   # link text only
+      s = re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+      n = seen.get(s, 0); seen[s] = n + 1
+      out.add(s if n == 0 else f"{s}-{n}")
+  out |= set(re.findall(r'<a (?:id|name)="([^"]+)"', text))
+  return out
+
+bad = 0
+for f in files:
+  text = strip_code(open(f).read())
+  for m in re.finditer(r"\]\(([^)\s]+)\)", text):
+    target = m.group(1)
+    if re.match(r"[a-z]+:", target):
+      continue
+    path, _, frag = target.partition("#")
+    dest = os.path.normpath(os.path.join(os.path.dirname(f), unquote(path))) if path else f
+    if not os.path.exists(dest):
+      print(f"{os.path.relpath(f, ROOT)}: missing {target}"); bad += 1; continue
+    if frag and dest.endswith(".md") and frag not in anchors(dest):
+      print(f"{os.path.relpath(f, ROOT)}: no anchor #{frag} in {os.path.relpath(dest, ROOT)}"); bad += 1
+print(f"{len(files)} files, {bad} broken links")
+sys.exit(1 if bad else 0)
