@@ -16,7 +16,7 @@ table of benchmarks/RESULTS.md (benchmarks/_record.py).
 uses the best (printing them to paste into the kernels' CONFIGS tables).
 "int2 W2A8 g128" / "int4 W4A8 g128" are the Triton group-scale kernels with int8
 activations on (N, K)-stored words.
-"mosaic gemm ..." is the large-M int8 GEMM (qtrain.pallas.mosaic_gemm; M a multiple of 128).
+"mosaic gemm ..." is the large-M int8 GEMM (qtrain.kernels.mosaic_gemm; M a multiple of 128).
 "mosaic ..." kernels run on weights laid out for their activations (order="int8"
 for the A8 ones); "mosaic ... tiled" on the same weights stored tile by tile
 (prepare_mosaic_weight(tiles="auto"): row-major where "auto" keeps it so).
@@ -40,13 +40,13 @@ from jax import lax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import _record, _timing  # noqa: E402
-from qtrain.pallas import binary_matmul as bmm  # noqa: E402
-from qtrain.pallas import int8_matmul as imm  # noqa: E402
-from qtrain.pallas import mosaic_gemm as mg  # noqa: E402
-from qtrain.pallas import mosaic_matmul as mm  # noqa: E402
-from qtrain.pallas import nbit_matmul as nbm  # noqa: E402
-from qtrain.pallas import prepared  # noqa: E402
-from qtrain.pallas._qmatmul import BlockConfig  # noqa: E402
+from qtrain.kernels import binary_matmul as bmm  # noqa: E402
+from qtrain.kernels import int8_matmul as imm  # noqa: E402
+from qtrain.kernels import mosaic_gemm as mg  # noqa: E402
+from qtrain.kernels import mosaic_matmul as mm  # noqa: E402
+from qtrain.kernels import nbit_matmul as nbm  # noqa: E402
+from qtrain.kernels import prepared  # noqa: E402
+from qtrain.kernels._qmatmul import BlockConfig  # noqa: E402
 
 MS = (1, 16, 64, 512, 4096)
 SHAPES = ((4096, 4096), (8192, 28672))

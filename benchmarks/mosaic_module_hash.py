@@ -1,6 +1,6 @@
 """Hashes of the Mosaic GPU modules the kernel lowers to, one per config: a refactor check.
 
-Lowers :func:`qtrain.pallas.mosaic_matmul._kernel` for CUDA without a GPU (jax
+Lowers :func:`qtrain.kernels.mosaic_matmul._kernel` for CUDA without a GPU (jax
 >= 0.11; on a CPU-only machine too) for each qtype x bf16/f16/int8 activations
 (int2: int8 only) x 2 configs, captures each Mosaic module (source locations stripped) before
 Mosaic serializes it, and prints a short sha256 per case. Run it before and
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from qtrain.pallas import mosaic_matmul as mm  # noqa: E402
+from qtrain.kernels import mosaic_matmul as mm  # noqa: E402
 
 
 def main():

@@ -176,7 +176,7 @@ def setup(name, width, hidden, tokens) -> StepSetup:
 @contextlib.contextmanager
 def gemm_threshold(name):
   """``*_cublas`` configs trace with the Mosaic GEMM off (dispatch.AUTO_GEMM_MIN_M raised)."""
-  from qtrain.pallas import dispatch
+  from qtrain.ops import dispatch
   saved = dispatch.AUTO_GEMM_MIN_M
   if name.endswith("_cublas"):
     dispatch.AUTO_GEMM_MIN_M = 1 << 62

@@ -18,35 +18,27 @@ optax or ``nnx.Optimizer`` exactly as the float model::
 Public API: :class:`QtRule`, :class:`QtProvider`, :func:`quantize_model`,
 :func:`summary`, :func:`set_calibrate`, the nnx state types
 (:class:`QtOp`, :class:`QuantStat`, :class:`ActScale`, :class:`ActShift`),
-:data:`RNG_STREAM` (``"quant"``), :mod:`qtrain.binary` (bitorch-engine / larq /
-XNOR / MPQ presets), :mod:`qtrain.qlayers`, :mod:`qtrain.optim` (optax
-transforms: latent clipping, Bop, stochastic low-bit weight storage),
-:mod:`qtrain.freeze` (packed export and inference), and :mod:`qtrain.core`
-(numerics and the QT ops, re-exported below).
+:data:`RNG_STREAM` (``"quant"``), and the submodules: :mod:`qtrain.binary`
+(bitorch-engine / larq / XNOR / MPQ presets), :mod:`qtrain.qlayers`,
+:mod:`qtrain.optim` (optax transforms: latent clipping, Bop, stochastic
+low-bit weight storage), :mod:`qtrain.freeze` (packed export and inference),
+:mod:`qtrain.ops` (the QT ops ``dot_general_qt`` / ``conv_general_qt`` and
+their configs), :mod:`qtrain.core` (qtypes, QArray, calibration, rounding,
+packing) and :mod:`qtrain.kernels` (the Pallas GPU kernels). Everything else
+stays reachable through its module (e.g. :class:`qtrain.provider.OpRecord`).
 """
 
-from qtrain import core
-from qtrain.core import (Calibration, ConvGeneralQtConfig, DotGeneralQtConfig, GradQuant,
-                         OperandQuant, QArray, QType, QuantizeSpec, VALID_QTYPES,
-                         conv_general_qt, dequantize, dot_general_qt, fake_quantize, get_qtype,
-                         quantize, quantize_with_scale)
-from qtrain.model import (ActScale, ActShift, QtLinenModel, QtOp, QuantStat, quantize_model,
-                          set_calibrate, summary)
-from qtrain.provider import RNG_STREAM, OpRecord, QtProvider
-from qtrain.rules import OP_NAMES, QtRule
+from qtrain import core, kernels, ops
+from qtrain.flax.model import (ActScale, ActShift, QtOp, QuantStat, quantize_model, set_calibrate,
+                               summary)
+from qtrain.provider import RNG_STREAM, QtProvider
+from qtrain.rules import QtRule
 from qtrain import binary, freeze, optim, qlayers  # noqa: E402  (they build on the names above)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    # Rules, provider, models.
     "QtRule", "QtProvider", "quantize_model", "summary", "set_calibrate", "RNG_STREAM",
-    "OP_NAMES", "OpRecord", "QtLinenModel", "QtOp", "QuantStat", "ActScale", "ActShift",
-    # Binary / low-bit networks, optax transforms, export.
-    "binary", "freeze", "optim", "qlayers",
-    # qtrain.core.
-    "core", "Calibration", "ConvGeneralQtConfig", "DotGeneralQtConfig", "GradQuant",
-    "OperandQuant", "QArray", "QType", "QuantizeSpec", "VALID_QTYPES", "conv_general_qt",
-    "dequantize", "dot_general_qt", "fake_quantize", "get_qtype", "quantize",
-    "quantize_with_scale",
+    "QtOp", "QuantStat", "ActScale", "ActShift",
+    "binary", "core", "freeze", "kernels", "ops", "optim", "qlayers",
 ]

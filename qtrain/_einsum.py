@@ -5,7 +5,7 @@ internally jitted, and quantizing while its inner jit traces would put a
 quantized jaxpr in a cache that float callers share. Instead the einsum is
 parsed here into a ``dot_general`` (batch / contracting dimension numbers)
 plus a transpose of its output, and the caller runs that ``dot_general``
-through :func:`qtrain.core.dot_general_qt`.
+through :func:`qtrain.ops.dot_general_qt`.
 
 Supported: two operands, explicit (``->``) or implicit output, ``...``
 (ellipsis axes must have equal sizes on both operands when both have them),

@@ -3,7 +3,7 @@
 A :class:`FrozenLayer` is one quantized weight, stored packed, plus what its
 op needs to quantize the other operand at inference. It is built by
 quantizing the weight operand with the QT op's own function and spec
-(:func:`qtrain.core.qt_operand.quantize_operand`: the same calibration, the
+(:func:`qtrain.ops.qt_operand.quantize_operand`: the same calibration, the
 same rounding, so the same codes and scales), and knows how the op
 contracts it (``layout``):
 
@@ -14,7 +14,7 @@ contracts it (``layout``):
   order; packed along K. Group-wise scales (``tile_size``, along the last
   contracting axis) become ``(N, K // tile_size)`` groups of flattened K.
   Where a tile meets a contraction of several axes, the op merges them
-  first (:func:`~qtrain.core.dot_general_qt.merge_tiled_contraction`), and
+  first (:func:`~qtrain.ops.dot_general_qt.merge_tiled_contraction`), and
   so does freezing, and inference with the frozen layer: the layer keeps
   the op's own ``kernel_shape`` and ``layout``, its codes and groups those
   of the merged contraction.
@@ -27,15 +27,15 @@ Products (:func:`dot_product`, :func:`conv_product`) run by
 
 * ``"xla"`` / ``"auto"`` off a GPU: the weight is rebuilt in the kernel's own
   layout and the product is *the QT forward's call*
-  (:func:`qtrain.pallas.dispatch.quantized_dot_general` with the op's own
-  dimension numbers; convolutions :func:`~qtrain.core.conv_general_qt.quantized_conv`):
+  (:func:`qtrain.ops.dispatch.quantized_dot_general` with the op's own
+  dimension numbers; convolutions :func:`~qtrain.ops.conv_general_qt.quantized_conv`):
   the same codes, scales, layouts and epilogue, so the same numbers (op by
   op: under ``jax.jit`` XLA fuses each graph its own way and may sum a float x
   dequantized product in another order).
 * ``"triton"`` / ``"interpret"`` (and ``"auto"`` on a GPU where a kernel takes
   the layer): the activation is reshaped to ``(M, K)`` in the weight's K
   order and multiplied with the packed weight as a
-  :class:`~qtrain.pallas.prepared.PreparedWeight` through dispatch;
+  :class:`~qtrain.kernels.prepared.PreparedWeight` through dispatch;
   convolutions as im2col of the *quantized* input (zero padding contributes
   0) + the packed matmul. A forced kernel that cannot take a layer raises,
   naming the layer and the reason.
@@ -53,14 +53,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qtrain.core import config as cfg_lib
+from qtrain import _einsum
 from qtrain.core import packing
 from qtrain.core import qarray as qa
 from qtrain.core import qdot
-from qtrain.core import qt_operand as qop
 from qtrain.core import qtypes
-from qtrain.core.conv_general_qt import quantized_conv
-from qtrain.core.dot_general_qt import merge_tiled_contraction
+from qtrain.kernels import prepared
+from qtrain.ops import config as cfg_lib
+from qtrain.ops import dispatch
+from qtrain.ops import qt_operand as qop
+from qtrain.ops.conv_general_qt import quantized_conv
+from qtrain.ops.dot_general_qt import merge_tiled_contraction
 
 IMPLEMENTATIONS = cfg_lib.IMPLEMENTATIONS
 ARRAY_FIELDS = ("words", "w_scale", "w_zero", "scale_a", "bias_a", "bias")
@@ -351,7 +354,7 @@ def merge_contraction(act, w, dn, w_idx: int, tiles) -> tuple:
   """The op's merge of a tiled contraction of several axes, on (activation, weight).
 
   ``tiles``: the (activation, weight) tile sizes. Returns ``(act, w, dn)`` as
-  :func:`~qtrain.core.dot_general_qt.merge_tiled_contraction` hands them to
+  :func:`~qtrain.ops.dot_general_qt.merge_tiled_contraction` hands them to
   the product (unchanged where it merges nothing).
   """
   ops, ts = [None, None], [None, None]
@@ -407,10 +410,7 @@ def _out_dtype(preferred, *dtypes):
 # Products.
 
 
-def check_implementation(implementation: str) -> str:
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation={implementation!r}; valid: {list(IMPLEMENTATIONS)}")
-  return implementation
+check_implementation = cfg_lib.check_implementation
 
 
 def _wants_kernel(impl: str) -> bool:
@@ -448,7 +448,6 @@ def _rows(x, contract, free):
 
 def _prepared(layer: FrozenLayer):
   """(PreparedWeight, per-channel zero fix or None) of an (N, K) frozen weight."""
-  from qtrain.pallas import prepared  # lazy: kernels load on first use
 
   if layer.words.ndim != 2:
     raise Unsupported("weights with batch axes")
@@ -466,7 +465,6 @@ def _prepared(layer: FrozenLayer):
 
 def _kernel_matmul(layer: FrozenLayer, x2d, impl: str, out_dtype):
   """(M, K) rows x the packed (N, K) weight through dispatch's prepared-weight path."""
-  from qtrain.pallas import dispatch
 
   pw, zero_fix = _prepared(layer)
   kimpl = "auto" if impl == "auto" else impl  # "auto" here: a GPU backend (its CUDA kernel)
@@ -482,7 +480,6 @@ def _kernel_matmul(layer: FrozenLayer, x2d, impl: str, out_dtype):
 
 
 def _mosaic_matmul(layer: FrozenLayer, x2d, out_dtype):
-  from qtrain.pallas import dispatch
 
   return dispatch.quantized_dot_general(x2d, layer.nk_qarray(), (((1,), (1,)), ((), ())),
                                         preferred_element_type=out_dtype, implementation="mosaic")
@@ -494,7 +491,6 @@ def dot_product(layer: FrozenLayer, a_val, dn, out_dtype, implementation: str, w
   ``dn``: the op's normalized dimension numbers, the weight at
   ``layer.weight_operand``. The output has ``dot_general``'s layout.
   """
-  from qtrain.pallas import dispatch
 
   impl = implementation
   w_idx = layer.weight_operand
@@ -568,7 +564,7 @@ def _im2col(layer: FrozenLayer, a_val, p):
 
 def conv_product(layer: FrozenLayer, a_val, p, out_dtype, implementation: str, where: str):
   """The convolution of the (quantized) input with the frozen kernel (``p``: the op's
-  parameters, as :func:`~qtrain.core.conv_general_qt.quantized_conv` takes them)."""
+  parameters, as :func:`~qtrain.ops.conv_general_qt.quantized_conv` takes them)."""
   impl = implementation
   if impl == "mosaic" or _wants_kernel(impl):
     try:
@@ -695,7 +691,6 @@ def conv_general_dilated(layer: FrozenLayer, lhs, rhs, window_strides, padding, 
 def einsum(layer: FrozenLayer, subscripts, operands, kwargs, *, weight_operand, implementation,
            where):
   """A two-operand einsum whose weight is frozen (planned as the QT provider plans it)."""
-  from qtrain import _einsum
 
   shapes = tuple(jnp.shape(o) for o in operands)
   plan = _einsum.parse(subscripts, *shapes) if len(operands) == 2 else None

@@ -2,10 +2,10 @@
 
 A :class:`LayerQuant` says how one linear or convolution layer is quantized:
 the forward quantization of its input (``act``) and weight (``weight``) as
-:class:`~qtrain.core.config.OperandQuant`, whether the layer learns an input
+:class:`~qtrain.ops.config.OperandQuant`, whether the layer learns an input
 scale and shift, and the backward's gradient quantization. It builds the
-:class:`~qtrain.core.config.DotGeneralQtConfig` /
-:class:`~qtrain.core.config.ConvGeneralQtConfig` of the QT ops and is what the
+:class:`~qtrain.ops.config.DotGeneralQtConfig` /
+:class:`~qtrain.ops.config.ConvGeneralQtConfig` of the QT ops and is what the
 layers of :mod:`qtrain.qlayers` and :func:`qtrain.freeze.freeze` take.
 
 The binary schemes side by side
@@ -40,7 +40,7 @@ Differences from bitorch-engine, on purpose:
 * bitorch quantizes the weight gradient to int8 (``nv_tensor_quant``) before
   its optimizer; here it stays float unless ``drhs_grad`` asks for int8.
 * Convolutions take per-output-channel weight scales but no group-wise
-  (``tile_size``) scales (:class:`~qtrain.core.config.ConvGeneralQtConfig`),
+  (``tile_size``) scales (:class:`~qtrain.ops.config.ConvGeneralQtConfig`),
   so :func:`mpq` conv layers use one scale (and zero point) per output channel.
 
 N-bit weights (bitorch's MPQ layers): :func:`mpq` - 2/4/8-bit weights,
@@ -65,8 +65,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from qtrain.core import config as cfg_lib
 from qtrain.core import qarray
+from qtrain.ops import config as cfg_lib
+from qtrain.rules import QtRule
 
 __all__ = ["LayerQuant", "bitorch", "larq", "xnor", "mpq", "weight_only", "PRESETS", "get_preset",
            "rules"]
@@ -117,12 +118,12 @@ class LayerQuant:
     return self.dot_config().needs_key
 
   def dot_config(self) -> cfg_lib.DotGeneralQtConfig:
-    """The config of :func:`~qtrain.core.dot_general_qt.dot_general_qt` (lhs = input)."""
+    """The config of :func:`~qtrain.ops.dot_general_qt.dot_general_qt` (lhs = input)."""
     return cfg_lib.DotGeneralQtConfig(lhs=self.act, rhs=self.weight, dlhs_grad=self.dlhs_grad,
                                       drhs_grad=self.drhs_grad, implementation=self.implementation)
 
   def conv_config(self) -> cfg_lib.ConvGeneralQtConfig:
-    """The config of :func:`~qtrain.core.conv_general_qt.conv_general_qt`.
+    """The config of :func:`~qtrain.ops.conv_general_qt.conv_general_qt`.
 
     Group-wise weight scales (``tile_size``) become per-output-channel scales:
     convolutions take no ``tile_size``.
@@ -149,7 +150,6 @@ class LayerQuant:
     One rule, or two when the weight has group-wise scales (``tile_size``:
     one rule for dot_general / einsum, one for convolutions without it).
     """
-    from qtrain.rules import QtRule
 
     w, a = self.weight, self.act
     if a is not None and w is not None and not self.learn_act_scale and \
@@ -340,7 +340,6 @@ def rules(layers: "dict[str, LayerQuant | str | None]") -> list:
     >>> [r.weight_qtype for r in rs], rs[1].act_scale_grad
     ([None, 'binary'], 'bitorch')
   """
-  from qtrain.rules import QtRule
 
   out = []
   for path, lq in layers.items():

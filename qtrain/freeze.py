@@ -33,7 +33,7 @@ What it freezes, and how the frozen model runs:
   than its frozen op makes NaNs, never plausible numbers.
 * An nnx model quantized in place by :func:`qtrain.quantize_model`:
   ``frozen = freeze(model)`` returns a new nnx model (the input is left as
-  it is) in which each quantized op's :class:`~qtrain.model.QtOp` is a
+  it is) in which each quantized op's :class:`~qtrain.flax.model.QtOp` is a
   :class:`FrozenOp` holding the packed weight as :class:`FrozenWeight`
   variables and each frozen parameter a static :class:`Placeholder`. Call it
   like the model (``frozen(x)``, ``nnx.jit``), split / merge it with
@@ -57,9 +57,9 @@ parameter itself as its weight (as the QT forward's interception expects).
 ``implementation`` (the rules' names, :data:`IMPLEMENTATIONS`):
 
 * ``"xla"``: the weight is rebuilt in its own layout and the product is the
-  QT forward's (:func:`qtrain.pallas.dispatch.quantized_dot_general` with the
+  QT forward's (:func:`qtrain.ops.dispatch.quantized_dot_general` with the
   op's dimension numbers; convolutions
-  :func:`~qtrain.core.conv_general_qt.quantized_conv`): the same numbers as
+  :func:`~qtrain.ops.conv_general_qt.quantized_conv`): the same numbers as
   the quantized model's forward (op by op; under ``jax.jit`` XLA may sum a
   float x dequantized product of either graph in another order);
 * ``"auto"``: on a GPU, the Triton kernels on the packed weights where they
@@ -67,8 +67,8 @@ parameter itself as its weight (as the QT forward's interception expects).
   the XLA path (the same choice the rules' default makes, so on the CPU the
   same numbers as the quantized model);
 * ``"triton"`` / ``"interpret"``: the qtrain Triton kernels
-  (:func:`qtrain.pallas.binary_matmul.binary_matmul`,
-  :func:`qtrain.pallas.nbit_matmul.nbit_matmul`, int8) on a GPU / in the
+  (:func:`qtrain.kernels.binary_matmul.binary_matmul`,
+  :func:`qtrain.kernels.nbit_matmul.nbit_matmul`, int8) on a GPU / in the
   Pallas interpreter, on prepared weights; the input reshaped to
   ``(M, K)`` in the weight's K order; convolutions as im2col (patches of the
   *quantized* input, so zero padding contributes 0 as in training) + the
@@ -115,8 +115,13 @@ from flax import nnx
 from flax.core import meta as flax_meta
 
 from qtrain import _frozen
-from qtrain.binary import LayerQuant
+from qtrain import provider as provider_lib
 from qtrain._frozen import FrozenLayer
+from qtrain.binary import LayerQuant
+from qtrain.flax import intercept as _intercept
+from qtrain.flax import model as model_lib
+from qtrain.qlayers import QConv, QDense
+from qtrain.rules import QtRule
 
 __all__ = ["FrozenLayer", "FrozenOp", "FrozenWeight", "Placeholder", "freeze", "freeze_layer",
            "apply_layer", "apply_frozen", "layer_sizes", "save_frozen", "load_frozen",
@@ -183,7 +188,6 @@ def _kernel_paths(params, prefix=()):
 
 
 def _is_qtrule(r) -> bool:
-  from qtrain.rules import QtRule
   return isinstance(r, QtRule)
 
 
@@ -353,7 +357,6 @@ def _layer_path(key: str, layer: FrozenLayer) -> str:
 
 
 def _freeze_records(variables, provider) -> dict:
-  from qtrain import provider as provider_lib
 
   recs = [r for r in _records(provider) if r.status == provider_lib.QUANTIZED]
   recs.sort(key=lambda r: (r.path, r.op_id))
@@ -497,8 +500,6 @@ def _vget(v):
 
 
 def _freeze_nnx(model, provider=None):
-  from qtrain import model as model_lib
-  from qtrain import provider as provider_lib
 
   frozen = nnx.clone(model)
   hooks = _nnx_hooks(frozen, model_lib.QtOp)
@@ -564,8 +565,6 @@ def freeze(variables, layer_quants=None):
   """
   if isinstance(variables, nnx.Module):
     return _freeze_nnx(variables, layer_quants)
-  from qtrain import model as model_lib
-  from qtrain import provider as provider_lib
 
   if isinstance(layer_quants, model_lib.QtLinenModel):
     layer_quants = layer_quants.provider
@@ -726,9 +725,6 @@ def apply_frozen(model, frozen, *args, implementation: str = "auto", method=None
       op.implementation = impl
     fn = model if method is None else getattr(model, method)
     return fn(frozen, *args, **kwargs)
-  from qtrain import _intercept
-  from qtrain import model as model_lib
-  from qtrain.qlayers import QConv, QDense
 
   if isinstance(model, model_lib.QtLinenModel):
     model = model.model

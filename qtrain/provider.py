@@ -2,18 +2,18 @@
 
 The provider holds an ordered list of :class:`~qtrain.rules.QtRule`; for
 each intercepted op it finds the first matching rule, builds the
-:class:`~qtrain.core.DotGeneralQtConfig` /
-:class:`~qtrain.core.ConvGeneralQtConfig` (forward qtypes of the weight and
+:class:`~qtrain.ops.DotGeneralQtConfig` /
+:class:`~qtrain.ops.ConvGeneralQtConfig` (forward qtypes of the weight and
 activation operands, gradient qtypes, stochastic rounding), reads or updates
 the op's Flax state (static activation scales, learned activation scale and
 shift) through a small *host* object (one for linen modules, one for nnx
 modules), draws stochastic-rounding keys from the RNG stream
-:data:`RNG_STREAM` (``"quant"``), and calls :func:`qtrain.core.dot_general_qt`
-or :func:`qtrain.core.conv_general_qt`.
+:data:`RNG_STREAM` (``"quant"``), and calls :func:`qtrain.ops.dot_general_qt`
+or :func:`qtrain.ops.conv_general_qt`.
 
 It never decides which operand is the weight: the interception layer tells
 it (from the layer's calling convention, or from the identity of the
-module's own parameter), see :mod:`qtrain.model`.
+module's own parameter), see :mod:`qtrain.flax.model`.
 
 Every op it sees is recorded (path, op id, matched rule, qtypes, status) for
 :func:`qtrain.summary`.
@@ -40,11 +40,12 @@ import jax.numpy as jnp
 
 from qtrain import _einsum
 from qtrain import rules as rules_lib
-from qtrain.core import config as cfg_lib
-from qtrain.core import conv_general_qt as _conv_general_qt
-from qtrain.core import dot_general_qt as _dot_general_qt
 from qtrain.core import qarray
+from qtrain.core import qdot
 from qtrain.core import qtypes
+from qtrain.ops import config as cfg_lib
+from qtrain.ops import conv_general_qt as _conv_general_qt
+from qtrain.ops import dot_general_qt as _dot_general_qt
 
 RNG_STREAM = "quant"
 """The Flax RNG stream stochastic-rounding keys are drawn from.
@@ -404,7 +405,6 @@ class QtProvider:
         raise NotImplementedError(
             f"qtrain: {op_name} in module {path!r} was called with out_sharding={out_sharding!r}; "
             "quantized ops do not take out_sharding (shard the inputs instead)")
-      from qtrain.core import qdot
       dn = qdot.normalize_dimension_numbers(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
       ops = [lhs, rhs]
       a_idx = 1 - weight_operand

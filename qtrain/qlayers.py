@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from qtrain.binary import LayerQuant
-from qtrain.core.conv_general_qt import conv_general_qt
-from qtrain.core.dot_general_qt import dot_general_qt
+from qtrain.ops.conv_general_qt import conv_general_qt
+from qtrain.ops.dot_general_qt import dot_general_qt
 
 __all__ = ["QDense", "QConv", "prepare_input"]
 

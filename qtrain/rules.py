@@ -35,11 +35,11 @@ import dataclasses
 import re
 from typing import Sequence
 
-from qtrain.core import config as cfg_lib
 from qtrain.core import estimators
 from qtrain.core import qarray
 from qtrain.core import qtypes
 from qtrain.core import rounding
+from qtrain.ops import config as cfg_lib
 
 OP_NAMES: tuple[str, ...] = ("dot_general", "einsum", "conv_general_dilated")
 STATIC_SCALE_AVERAGING: tuple[str, ...] = ("mean", "ema")
@@ -106,7 +106,7 @@ class QtRule:
 
   Where it runs:
     implementation: ``"auto"``, ``"xla"``, ``"triton"``, ``"mosaic"`` or ``"interpret"``
-      (:mod:`qtrain.pallas.dispatch`).
+      (:mod:`qtrain.ops.dispatch`).
   """
 
   module_path: str = ".*"
@@ -217,14 +217,18 @@ class QtRule:
         errors.append(f"act_scale_grad='bitorch' is binary's rule; act_qtype is {self.act_qtype!r}")
     # Backward.
     if self.bwd_stochastic_rounding is not None:
-      if self.bwd_stochastic_rounding not in rounding.STOCHASTIC_METHODS:
-        errors.append(f"bwd_stochastic_rounding={self.bwd_stochastic_rounding!r}; valid: "
-                      f"{[None, *rounding.STOCHASTIC_METHODS]}")
-      elif self.bwd_qtype is None:
-        errors.append(f"bwd_stochastic_rounding={self.bwd_stochastic_rounding!r} needs bwd_qtype "
-                      "(it is None)")
-    if self.implementation not in cfg_lib.IMPLEMENTATIONS:
-      errors.append(f"implementation={self.implementation!r}; valid: {list(cfg_lib.IMPLEMENTATIONS)}")
+      try:
+        rounding.check_stochastic_method(self.bwd_stochastic_rounding, "bwd_stochastic_rounding")
+      except ValueError as e:
+        errors.append(str(e))
+      else:
+        if self.bwd_qtype is None:
+          errors.append(f"bwd_stochastic_rounding={self.bwd_stochastic_rounding!r} needs "
+                        "bwd_qtype (it is None)")
+    try:
+      cfg_lib.check_implementation(self.implementation)
+    except ValueError as e:
+      errors.append(str(e))
     if not isinstance(self.disable_channelwise_axes, bool):
       errors.append(f"disable_channelwise_axes={self.disable_channelwise_axes!r} must be a bool")
     if errors:

@@ -1,4 +1,4 @@
-"""float64 references and error budgets for the property tests (tests/test_props_*.py).
+"""float64 references and error budgets for the property tests (tests/*/test_*_props.py).
 
 Every budget is derived from the arithmetic the library documents, never fitted
 to its output. Notation: ``u`` is the unit roundoff of a float dtype

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for the property tests (tests/test_props_*.py).
+"""Hypothesis strategies for the property tests (tests/*/test_*_props.py).
 
 Arrays are drawn as *recipes* (:class:`Values`: a magnitude mode, a zero
 fraction, non-finite values to plant, a seed) and built with numpy, so a
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qtrain.core import config as C
+from qtrain.ops import config as C
 from qtrain.core import qarray, qtypes
 
 QTYPES: tuple[str, ...] = tuple(qtypes.VALID_QTYPES)

@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import qtrain
-from qtrain import _intercept
+from qtrain.flax import intercept as _intercept
 
 DN = (((1,), (0,)), ((), ()))
 RULES = [qtrain.QtRule(module_path=".*", weight_qtype="int8", act_qtype="int8", bwd_qtype="int8")]

@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 import qtrain
-from qtrain import core
+from qtrain import ops
 
-dqt = importlib.import_module("qtrain.core.dot_general_qt")  # the module (the package exports the op)
+dqt = importlib.import_module("qtrain.ops.dot_general_qt")  # the module (the package exports the op)
 
 D, HEADS = 128, 4
 X = jax.random.normal(jax.random.key(0), (2, 8, D))
@@ -52,8 +52,8 @@ def _check_projections(weight_scales, records):
 
 def _reference_out(z, kernel, bias):
   """The out projection on operands flattened by hand: one (2, 8, 128) x (128, 128) product."""
-  cfg = core.DotGeneralQtConfig(rhs=core.OperandQuant(qtype="int4", tile_size=64))
-  return core.dot_general_qt(z.reshape(2, 8, D), kernel.reshape(D, D),
+  cfg = ops.DotGeneralQtConfig(rhs=ops.OperandQuant(qtype="int4", tile_size=64))
+  return ops.dot_general_qt(z.reshape(2, 8, D), kernel.reshape(D, D),
                              (((2,), (0,)), ((), ())), cfg) + bias
 
 

@@ -1,8 +1,12 @@
-"""qtrain.core: pure-JAX quantization numerics and the QT custom_vjp ops (no Flax)."""
+"""qtrain.core: quantization numerics in pure JAX (imports nothing else of qtrain).
 
-from qtrain.core.config import ConvGeneralQtConfig, DotGeneralQtConfig, GradQuant, OperandQuant
-from qtrain.core.conv_general_qt import conv_general_qt
-from qtrain.core.dot_general_qt import dot_general_qt
+qtypes (the one vocabulary of quantized types), :class:`QArray` with its
+calibrations, quantize / dequantize, rounding (nearest and stochastic),
+bit packing, straight-through estimators, and :mod:`qtrain.core.qdot`, the
+XLA products of quantized operands (the reference every kernel is checked
+against). The custom_vjp QT ops built on them live in :mod:`qtrain.ops`.
+"""
+
 from qtrain.core.packing import pack, packed_size, unpack, values_per_word
 from qtrain.core.qarray import (Calibration, QArray, QuantizeSpec, calibrate, dequantize,
                                 fake_quantize, quantize, quantize_with_scale)
@@ -11,9 +15,8 @@ from qtrain.core.qtypes import VALID_QTYPES, QType, get_qtype
 from qtrain.core.rounding import STOCHASTIC_METHODS, round_nearest, stochastic_round
 
 __all__ = [
-    "Calibration", "ConvGeneralQtConfig", "DotGeneralQtConfig", "GradQuant", "OperandQuant",
-    "QArray", "QType", "QuantizeSpec", "STOCHASTIC_METHODS", "VALID_QTYPES", "calibrate",
-    "conv_general_qt", "dequantize", "dot_general_qt", "dot_general_quantized_xla",
-    "fake_quantize", "get_qtype", "pack", "packed_size", "quantize", "quantize_with_scale",
-    "round_nearest", "stochastic_round", "unpack", "values_per_word",
+    "Calibration", "QArray", "QType", "QuantizeSpec", "STOCHASTIC_METHODS", "VALID_QTYPES",
+    "calibrate", "dequantize", "dot_general_quantized_xla", "fake_quantize", "get_qtype", "pack",
+    "packed_size", "quantize", "quantize_with_scale", "round_nearest", "stochastic_round",
+    "unpack", "values_per_word",
 ]

@@ -1,6 +1,6 @@
 """Bit packing of 1/2/4/8-bit quantized values into 32-bit words.
 
-THE LAYOUT (the contract every Pallas kernel in :mod:`qtrain.pallas` reads):
+THE LAYOUT (the contract every Pallas kernel in :mod:`qtrain.kernels` reads):
 
 * Words are ``uint32``. A word holds ``values_per_word(bits) = 32 // bits``
   values of one row, taken along the packed axis (the contracting axis K).

@@ -191,10 +191,7 @@ class QuantizeSpec:
     both = set(self.channelwise_axes) & set(self.tiled_axes)
     if both:
       raise ValueError(f"axes {sorted(both)} are both channelwise_axes and tiled_axes")
-    if self.stochastic_rounding not in (None,) + rounding.STOCHASTIC_METHODS:
-      raise ValueError(
-          f"stochastic_rounding={self.stochastic_rounding!r}; valid: "
-          f"{[None, *rounding.STOCHASTIC_METHODS]}")
+    rounding.check_stochastic_method(self.stochastic_rounding)
     cal = self.calibration
     if cal.is_asymmetric and qt.kind != "int":
       raise ValueError(

@@ -146,7 +146,7 @@ def _float_dot(lhs, rhs, dn, out_dtype, compute_dtype=None, precision=None):
   ``compute_dtype`` (a QArray dequantized into it, a float array cast to it);
   None: the float side's dtype (``promote_types`` of two float sides). The
   QT ops pass ``promote_types`` of the original operands' dtypes (see
-  :mod:`qtrain.core.qt_operand`): a QArray does not record the dtype it was
+  :mod:`qtrain.ops.qt_operand`): a QArray does not record the dtype it was
   quantized from. Accumulation in float32, then a cast to ``out_dtype``.
   """
   if is_quantized(lhs) and is_quantized(rhs):
@@ -254,7 +254,7 @@ def dot_general_quantized_xla(
     precision: passed to float dots.
     transpose: ``f(x, perm)`` that puts the low-precision operands of a
       quantized product into :func:`gemm_layout` before the dot, or None to
-      hand XLA the operands as they are. :mod:`qtrain.pallas.dispatch`
+      hand XLA the operands as they are. :mod:`qtrain.ops.dispatch`
       passes a materialized Pallas transpose on a GPU (XLA's layout
       assignment cannot turn it back into a layout change) and
       ``jnp.transpose`` elsewhere.

@@ -9,8 +9,9 @@ Methods:
   * ``"low_bit_uniform"``: one independent draw per element with only 8
     random bits: each 32-bit PRNG word feeds 4 elements, so it costs a
     quarter of the PRNG work of ``"uniform"`` (JAX's threefry computes one
-    full hash per word whatever its width; on an H200 the int8 QT step of
-    benchmarks/RESULTS.md runs 1.19x bf16 with it, 1.14x with ``"uniform"``).
+    full hash per word whatever its width; in one H200 run, s3 of
+    docs/performance-history.md, the int8 QT step ran 1.19x bf16 with it and
+    1.14x with ``"uniform"``).
     The rounding probability is quantized to 1/256 steps: bias <= 1/512 of
     a step.
 
@@ -35,6 +36,14 @@ from jax import lax
 from qtrain.core import qtypes
 
 STOCHASTIC_METHODS: tuple[str, ...] = ("uniform", "low_bit_uniform")
+
+
+def check_stochastic_method(value, field: str = "stochastic_rounding") -> str | None:
+  """``value`` if it is None or one of :data:`STOCHASTIC_METHODS`; else a ValueError naming
+  ``field`` and the valid values (every entry point validates through here)."""
+  if value is not None and value not in STOCHASTIC_METHODS:
+    raise ValueError(f"{field}={value!r}; valid: {[None, *STOCHASTIC_METHODS]}")
+  return value
 
 
 def _noise(key: jax.Array, shape, method: str) -> jax.Array:

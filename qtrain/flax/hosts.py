@@ -1,0 +1,81 @@
+"""Where a linen op keeps its state: the calling module's scope.
+
+:class:`LinenHost` gives the provider an op's parameters (learned scales and
+shifts, named ``<op id>_<name>``), its calibration statistics (the
+``"quant_stats"`` collection) and its PRNG keys, in the scope of the linen
+module whose ``dot_general`` / ``einsum`` / ``conv_general_dilated`` was
+intercepted; :func:`linen_weight_operand` says which operand is the weight.
+"""
+
+from __future__ import annotations
+
+import jax
+import flax.linen as nn
+from flax import errors as flax_errors
+from flax.core import meta
+
+
+# linen layers whose weight operand is known by their calling convention.
+_LINEN_RHS_WEIGHT = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.Einsum)
+# linen layers whose own ops have no weight operand (activation x activation).
+_LINEN_NO_WEIGHT = (nn.MultiHeadDotProductAttention,)
+NO_WEIGHT_BY_DESIGN = -1
+
+
+def linen_weight_operand(module, op_name: str, operands) -> int | None:
+  """Index of the weight operand: by calling convention, else by parameter identity."""
+  if isinstance(module, _LINEN_RHS_WEIGHT):
+    return 1
+  if isinstance(module, _LINEN_NO_WEIGHT):
+    return NO_WEIGHT_BY_DESIGN
+  try:
+    params = module.variables.get("params", {})
+  except Exception:  # pragma: no cover - unbound module
+    return None
+  leaves = jax.tree.leaves(meta.unbox(params))
+  hits = [i for i, o in enumerate(operands) if any(o is leaf for leaf in leaves)]
+  if len(hits) == 1:
+    return hits[0]
+  return None
+
+
+_NO_QUANT_STATS = (
+    "static activation scales (act_static_scale=True) live in the \"quant_stats\" collection, "
+    "which this module's scope does not have: inside nn.scan (or another lifted transform), add "
+    "\"quant_stats\" to nn.scan's variable_axes (e.g. variable_axes={\"params\": 0, "
+    "\"quant_stats\": 0}); in apply, pass the \"quant_stats\" that init returned")
+
+
+class LinenHost:
+  """An op's state in the calling linen module's scope (names prefixed by op id)."""
+
+  def __init__(self, module, op_id: str):
+    self.module = module
+    self.op_id = op_id
+    self.initializing = module.is_initializing()
+    self.calibrating = (not self.initializing) and module.is_mutable_collection("quant_stats")
+
+  def param(self, name, init_fn):
+    return self.module.scope.param(f"{self.op_id}_{name}", lambda *_: init_fn())
+
+  def stat(self, name, init_fn):
+    try:
+      return self.module.scope.variable("quant_stats", f"{self.op_id}_{name}", init_fn).value
+    except flax_errors.ScopeCollectionNotFound as e:
+      raise ValueError(_NO_QUANT_STATS) from e
+
+  def set_stat(self, name, value):
+    try:
+      self.module.scope.put_variable("quant_stats", f"{self.op_id}_{name}", value)
+    except flax_errors.ScopeCollectionNotFound as e:  # pragma: no cover - stat() raises first
+      raise ValueError(_NO_QUANT_STATS) from e
+
+  def rng_key(self, stream, what):
+    if not self.module.scope.has_rng(stream):
+      return None  # forward-only use is fine; a gradient raises missing_rng_message
+    return self.module.make_rng(stream)
+
+  def missing_rng_message(self, stream, what):
+    return (f"qtrain: {what} needs keys from the Flax RNG stream {stream!r} for its gradient, "
+            f"which this apply was not given: call apply(..., rngs={{{stream!r}: key}}) (fold "
+            "the step into the key so each step differs)")

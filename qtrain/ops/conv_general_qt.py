@@ -1,0 +1,291 @@
+"""``conv_general_qt``: a quantized-training convolution as a ``jax.custom_vjp``.
+
+Forward: the input (``lhs``) and kernel (``rhs``) are quantized per their
+:class:`~qtrain.ops.config.OperandQuant` — the input with one scale per
+batch element (``channelwise``) or per tensor, the kernel with one scale per
+output feature — and the convolution runs on the quantized values
+(int8 x int8 -> int32 or fp8 x fp8 -> f32, exact), scales applied after.
+Strides, padding, dilations, feature groups, batch groups and any layout
+(NHWC, NCHW, ...) are supported.
+
+Backward: the residuals are kept quantized (int8/fp8 + scales). The input and
+kernel gradients are the convolution's transposes applied to the
+dequantized residuals, with the incoming gradient fake-quantized per
+``dlhs_grad`` / ``drhs_grad`` (stochastic rounding included): the numbers of
+a quantized backward, computed in float32 (a transposed convolution's
+contraction does not factor per-channel scales the way a matmul's does).
+A residual is dequantized into the dtype the forward multiplied it in, so the
+backward differentiates the product the forward computed.
+
+Dtypes follow the policy of :mod:`qtrain.ops.qt_operand`, as
+:func:`~qtrain.ops.dot_general_qt.dot_general_qt` does: the output is
+``preferred_element_type`` or ``result_type(lhs, rhs)``; a float operand times
+a quantized one convolves in ``promote_types(lhs.dtype, rhs.dtype)`` (weight-only
+int8 under a bf16 ``nn.Conv`` is a bf16 convolution accumulated in float32);
+two quantized operands convolve exactly (int8 -> int32, fp8 -> float32, mixed
+fp8 kinds included); gradients come back in each operand's dtype.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> import qtrain.ops as qops
+  >>> cfg = qops.ConvGeneralQtConfig(lhs=qops.OperandQuant(qtype="int8"),
+  ...                              rhs=qops.OperandQuant(qtype="int8"))
+  >>> x = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+  >>> w = jax.random.normal(jax.random.key(1), (3, 3, 3, 4))
+  >>> y = qops.conv_general_qt(x, w, (1, 1), "SAME", config=cfg,
+  ...     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  >>> y.shape
+  (2, 8, 8, 4)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from qtrain.core import _lax
+from qtrain.core import qdot
+from qtrain.ops import config as cfg_lib
+from qtrain.ops import qt_operand as dqt
+
+# The backends a quantized convolution runs on: XLA's convolution ("auto" takes it everywhere).
+# The Pallas kernels are matmuls; a forced one raises instead of being silently ignored.
+CONV_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "xla")
+
+
+def _conv(lhs, rhs, p, preferred_element_type):
+  return _lax.conv_general_dilated(
+      lhs, rhs, p["window_strides"], p["padding"], lhs_dilation=p["lhs_dilation"],
+      rhs_dilation=p["rhs_dilation"], dimension_numbers=p["dn"],
+      feature_group_count=p["feature_group_count"], batch_group_count=p["batch_group_count"],
+      precision=p["precision"], preferred_element_type=preferred_element_type)
+
+
+def _low_precision_conv(a, b, p, *, is_float: bool, backend: str | None = None) -> jax.Array:
+  """Convolution of quantized values, accumulated exactly, as float32.
+
+  On the CPU: int8 x int8 -> int32 (fp8 x fp8 -> f32) in XLA; two fp8 kinds
+  (e4m3fn x e5m2), which XLA's convolution does not mix, are convolved as
+  float32 (every fp8 value, and every product of two, is exact in float32).
+  XLA's GPU backend cannot lower integer (or fp8) convolutions, so elsewhere the
+  quantized values are convolved as float32 at HIGHEST precision: every
+  product of int8 values is exact in float32, and so is the sum while it stays
+  below 2**24 in magnitude (guaranteed for windows of up to 1040 int8 x int8
+  values, or 2**24 binary ones; beyond that, only the last float32 bit can
+  differ). ``backend`` (default: ``jax.default_backend()``) picks the path.
+  """
+  p = dict(p, precision=None)
+  a, b = _lax.optimization_barrier((a, b))
+  if (backend or jax.default_backend()) == "cpu":
+    if a.dtype != b.dtype:
+      a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return _conv(a, b, p, jnp.float32 if is_float else jnp.int32).astype(jnp.float32)
+  p["precision"] = jax.lax.Precision.HIGHEST
+  return _conv(a.astype(jnp.float32), b.astype(jnp.float32), p, jnp.float32)
+
+
+def operand_dtype(lq, rq, compute_dtype=None) -> jnp.dtype:
+  """The dtype :func:`quantized_conv`'s float path brings both operands to:
+  float32 for two QArrays; else ``compute_dtype`` (default: the float side's
+  dtype, ``promote_types`` of two float sides)."""
+  if qdot.is_quantized(lq) and qdot.is_quantized(rq):
+    return jnp.dtype(jnp.float32)
+  if compute_dtype is not None:
+    return jnp.dtype(compute_dtype)
+  floats = [x.dtype for x in (lq, rq) if not qdot.is_quantized(x)]
+  return jnp.dtype(jnp.promote_types(*floats) if len(floats) == 2 else floats[0])
+
+
+def _as_dtype(x, dtype):
+  return x.dequantize(dtype) if qdot.is_quantized(x) else x.astype(dtype)
+
+
+def quantized_conv(lq, rq, p, out_dtype, compute_dtype=None):
+  """Convolution over QArray/float operands (``p``: the conv's static parameters).
+
+  Exact low-precision arithmetic where both operands are quantized and their
+  scales factor out (input per batch element, kernel per output feature);
+  otherwise both operands in :func:`operand_dtype` (two QArrays: float32; a
+  float side: ``compute_dtype``, the quantized side dequantized into it),
+  accumulated in float32. :mod:`qtrain.freeze` calls it so frozen inference
+  reproduces training's arithmetic.
+  """
+  lhs_spec, rhs_spec, out_spec = p["dn"]
+  both = qdot.is_quantized(lq) and qdot.is_quantized(rq)
+  # Scales factor out of the convolution only when the input's varies (at
+  # most) along its batch axis and the kernel's along its output-feature axis;
+  # a passed-in scale may vary elsewhere (e.g. per input channel): then the
+  # dequantized operands are convolved in float32 below.
+  varies_only = lambda s, axis: all(n == 1 for a, n in enumerate(s.shape) if a != axis)
+  if (both and lq.qtype.is_float == rq.qtype.is_float and lq.zero_point is None
+      and rq.zero_point is None and varies_only(lq.scale, lhs_spec[0])
+      and varies_only(rq.scale, rhs_spec[0])):
+    acc = _low_precision_conv(lq.qvalue, rq.qvalue, p, is_float=lq.qtype.is_float)
+    nd = acc.ndim
+    def to_out(s, axis_in, axis_out):
+      v = s.reshape(-1)  # varies along axis_in only (or is one value)
+      shape = [1] * nd
+      shape[axis_out] = v.shape[0]
+      return v.reshape(shape)
+    # lhs scale varies (at most) along the batch axis, rhs along the output-feature axis.
+    ls = to_out(lq.scale, lhs_spec[0], out_spec[0])
+    rs = to_out(rq.scale, rhs_spec[0], out_spec[1])
+    return (acc * ls * rs).astype(out_dtype)
+  dtype = operand_dtype(lq, rq, compute_dtype)
+  lf, rf = _as_dtype(lq, dtype), _as_dtype(rq, dtype)
+  if p["precision"] is None and dtype == jnp.float32:
+    p = dict(p, precision=jax.lax.Precision.HIGHEST)  # float32 math, not TF32 on GPUs
+  return _conv(lf, rf, p, jnp.float32).astype(out_dtype)
+
+
+def _forward(lhs, rhs, lhs_scale, rhs_scale, p, config, out_dtype):
+  lhs_spec, rhs_spec, _ = p["dn"]
+  # Per-batch-element input scales only when batch elements map to themselves.
+  lhs_channels = (lhs_spec[0],) if p["batch_group_count"] == 1 else ()
+  lres = dqt.quantize_operand(lhs, config.lhs, lhs_scale, lhs_channels, None, "lhs")
+  rres = dqt.quantize_operand(rhs, config.rhs, rhs_scale, (rhs_spec[0],), None, "rhs")
+  if config.lhs is None and config.rhs is None:
+    # Nothing quantized: jax.lax.conv_general_dilated itself (which, unlike dot_general, takes
+    # no mixed float dtypes), as dot_general_qt's unquantized forward is lax.dot_general.
+    return _conv(lhs, rhs, p, out_dtype), (lres, rres)
+  ctype = dqt.compute_dtype(lhs.dtype, rhs.dtype)
+  return quantized_conv(lres.value, rres.value, p, out_dtype, ctype), (lres, rres)
+
+
+def _fake_grad(g, gq, key, channel_axes):
+  if gq is None:
+    return g.astype(jnp.float32)
+  return dqt.quantize_grad(g, gq, channel_axes, key).dequantize(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _conv_qt(lhs, rhs, lhs_scale, rhs_scale, kd, p, config, out_dtype, meta):
+  return _forward(lhs, rhs, lhs_scale, rhs_scale, p, config, out_dtype)[0]
+
+
+def _fwd(lhs, rhs, lhs_scale, rhs_scale, kd, p, config, out_dtype, meta):
+  out, res = _forward(lhs, rhs, lhs_scale, rhs_scale, p, config, out_dtype)
+  return out, (*res, kd)
+
+
+def _bwd(p, config, out_dtype, meta, res, g):
+  lres, rres, kd = res
+  ldtype, rdtype = meta
+  _, _, out_spec = p["dn"]
+  k_l, k_r = dqt.split_key(kd, 2)
+  # The values the forward multiplied (quantized_conv's float path rounds a
+  # dequantized operand into the compute dtype; its exact path is float32-exact),
+  # then float32 math.
+  fwd_dtype = operand_dtype(lres.value, rres.value, dqt.compute_dtype(ldtype, rdtype))
+  lf = _as_dtype(lres.value, fwd_dtype).astype(jnp.float32)
+  rf = _as_dtype(rres.value, fwd_dtype).astype(jnp.float32)
+  # dlhs: per-batch-element gradient scales; drhs: per-output-feature.
+  g_l = _fake_grad(g, config.dlhs_grad, k_l, (out_spec[0],))
+  g_r = _fake_grad(g, config.drhs_grad, k_r, (out_spec[1],))
+  exact = dict(p, precision=jax.lax.Precision.HIGHEST)  # float32 math, not TF32 on GPUs
+  _, vjp_l = jax.vjp(lambda a: _conv(a, rf, exact, jnp.float32), lf)
+  _, vjp_r = jax.vjp(lambda b: _conv(lf, b, exact, jnp.float32), rf)
+  (lhs_bar,), (rhs_bar,) = vjp_l(g_l), vjp_r(g_r)
+  lhs_bar, ls_bar = dqt.finish_operand_grad(lhs_bar, lres, config.lhs, ldtype)
+  rhs_bar, rs_bar = dqt.finish_operand_grad(rhs_bar, rres, config.rhs, rdtype)
+  return lhs_bar, rhs_bar, ls_bar, rs_bar, None
+
+
+_conv_qt.defvjp(_fwd, _bwd)
+
+
+def _hashable_padding(padding):
+  if isinstance(padding, str):
+    return padding
+  return tuple(tuple(int(v) for v in pair) for pair in padding)
+
+
+def conv_general_qt(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    window_strides: Sequence[int],
+    padding,
+    lhs_dilation: Sequence[int] | None = None,
+    rhs_dilation: Sequence[int] | None = None,
+    dimension_numbers=None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    config: cfg_lib.ConvGeneralQtConfig,
+    key: jax.Array | None = None,
+    lhs_scale: jax.Array | None = None,
+    rhs_scale: jax.Array | None = None,
+) -> jax.Array:
+  """Quantized-training ``jax.lax.conv_general_dilated`` (same positional args).
+
+  Args:
+    lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+      dimension_numbers, feature_group_count, batch_group_count, precision,
+      preferred_element_type: as for :func:`jax.lax.conv_general_dilated`.
+    config: a :class:`~qtrain.ops.config.ConvGeneralQtConfig`.
+    key: PRNG key for stochastic rounding of gradients.
+    lhs_scale, rhs_scale: optional static or learned scales.
+
+  The arguments are checked as :func:`jax.lax.conv_general_dilated` checks
+  them (shapes, layouts, feature counts), before anything is quantized. An
+  operand with no elements (an empty batch, zero features) gives zeros of the
+  output shape, as the lax op does, and zero (or empty) gradients.
+
+  Raises:
+    ValueError: for a bad config (naming the field), non-float operands or
+      ``preferred_element_type``, a forced backend that has no convolution
+      (see :data:`CONV_IMPLEMENTATIONS`); lax's own errors for bad conv
+      arguments.
+  """
+  if not isinstance(config, cfg_lib.ConvGeneralQtConfig):
+    raise ValueError(f"config must be a ConvGeneralQtConfig, got {type(config).__name__}")
+  impl = config.implementation
+  if impl not in CONV_IMPLEMENTATIONS and (config.lhs is not None or config.rhs is not None):
+    raise ValueError(f"implementation={impl!r}: qtrain has no {impl} convolution kernel (the "
+                     f"kernels are matmuls); quantized convolutions run on XLA: use "
+                     f"implementation='xla' or 'auto' for them (e.g. a rule with "
+                     f"op_names=('conv_general_dilated',) before the one that forces {impl!r})")
+  out_dtype = dqt.check_operands(lhs, rhs, preferred_element_type)
+  if config.needs_key and key is None:
+    raise ValueError("config asks for stochastic_rounding in dlhs_grad/drhs_grad: pass key=")
+  nsp = jnp.ndim(lhs) - 2
+  dn = jax.lax.conv_dimension_numbers(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
+  # lax checks window_strides' length but not the dilations' (a verifier
+  # error at lowering): one entry per spatial dimension, each >= 1.
+  for name, v in (("window_strides", window_strides), ("lhs_dilation", lhs_dilation),
+                  ("rhs_dilation", rhs_dilation)):
+    if v is not None and (len(v) != nsp or any(int(d) < 1 for d in v)):
+      raise ValueError(f"{name}={tuple(v)!r} must hold {nsp} positive ints (one per spatial "
+                       f"dimension of lhs {tuple(jnp.shape(lhs))})")
+  p = dict(
+      window_strides=tuple(window_strides), padding=_hashable_padding(padding),
+      lhs_dilation=tuple(lhs_dilation) if lhs_dilation else (1,) * nsp,
+      rhs_dilation=tuple(rhs_dilation) if rhs_dilation else (1,) * nsp,
+      dn=dn, feature_group_count=int(feature_group_count), batch_group_count=int(batch_group_count),
+      precision=precision)
+  # lax's checks (and the output shape) on abstract float32 operands.
+  out_shape = jax.eval_shape(
+      lambda a, b: _conv(a, b, p, None),
+      jax.ShapeDtypeStruct(jnp.shape(lhs), jnp.float32),
+      jax.ShapeDtypeStruct(jnp.shape(rhs), jnp.float32)).shape
+  dqt.check_given_scale(config.lhs, lhs_scale, "lhs")
+  dqt.check_given_scale(config.rhs, rhs_scale, "rhs")
+  if jnp.size(lhs) == 0 or jnp.size(rhs) == 0:
+    return jnp.zeros(out_shape, out_dtype)
+  return _conv_qt(lhs, rhs, lhs_scale, rhs_scale, dqt.as_key(key), _Static(p), config, out_dtype,
+                  (jnp.result_type(lhs), jnp.result_type(rhs)))
+
+
+class _Static(dict):
+  """A hashable dict of the conv's static parameters (for nondiff_argnums)."""
+
+  def __hash__(self):
+    return hash(tuple(sorted((k, repr(v)) for k, v in self.items())))
+
+  def __eq__(self, other):
+    return isinstance(other, _Static) and hash(self) == hash(other)

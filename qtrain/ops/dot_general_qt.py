@@ -1,0 +1,351 @@
+"""``dot_general_qt``: a quantized-training dot_general as a ``jax.custom_vjp``.
+
+Forward: each operand is quantized per its :class:`~qtrain.ops.config.
+OperandQuant` (or left in float) and the product runs through
+:func:`qtrain.ops.dispatch.quantized_dot_general` (a Pallas kernel on GPU
+where one is faster, the exact XLA path otherwise: int8 x int8 -> int32,
+fp8 x fp8 -> f32, scales after).
+
+Backward (``dlhs = g . rhs``, ``drhs = lhs . g``, dimension numbers derived
+for any batch/contracting layout): the incoming gradient is quantized per
+:class:`~qtrain.ops.config.GradQuant` (stochastic rounding keyed by an
+explicit PRNG key), and multiplied with the *quantized residual* of the other
+operand, saved in the forward in int8/fp8 (no float copy of quantized
+operands is kept). A residual scale that varies along the backward
+contraction (a weight's per-output-channel scale in ``dlhs``, an
+activation's per-row scale in ``drhs``) is folded into the gradient before it
+is quantized, so both backward products run as int8 x int8 -> int32 too.
+The operand's estimator then masks the gradient (clipped STE), and a learned
+scale passed in gets its LSQ or bitorch gradient.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> import qtrain.ops as qops
+  >>> cfg = qops.DotGeneralQtConfig(
+  ...     lhs=qops.OperandQuant(qtype="int8"), rhs=qops.OperandQuant(qtype="int8"),
+  ...     dlhs_grad=qops.GradQuant(qtype="int8"), drhs_grad=qops.GradQuant(qtype="int8"),
+  ...     implementation="xla")
+  >>> x = jax.random.normal(jax.random.key(0), (8, 32))
+  >>> w = jax.random.normal(jax.random.key(1), (32, 4))
+  >>> dn = (((1,), (0,)), ((), ()))
+  >>> y = qops.dot_general_qt(x, w, dn, cfg)
+  >>> gx, gw = jax.grad(lambda x, w: qops.dot_general_qt(x, w, dn, cfg).sum(), (0, 1))(x, w)
+  >>> y.shape, gx.shape, gw.shape
+  ((8, 4), (8, 32), (32, 4))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qtrain.core import qarray as qa
+from qtrain.core import qdot
+from qtrain.ops import config as cfg_lib
+from qtrain.ops import dispatch
+from qtrain.ops.qt_operand import (as_key, as_scale, check_given_scale, check_operands,
+                                   compute_dtype, finish_operand_grad, quantize_grad,
+                                   quantize_operand, split_key)
+
+
+# ----------------------------------------------------------------------------
+# Backward dimension numbers.
+
+
+def transpose_dims(dn, x_ndim: int, y_ndim: int, *, swap_ans: bool):
+  """For ``x_bar = T(dot_general(g, y, dims))``: returns (dims, perm, g_free).
+
+  ``x`` is the operand whose gradient is wanted, ``y`` the other one, ``dn``
+  the forward dimension numbers written with ``x`` first; ``swap_ans`` says
+  that in the forward output ``y``'s free axes come before ``x``'s (``x`` was
+  the rhs). ``g_free`` are ``g``'s axes not contracted in this product.
+  """
+  (xc, yc), (xb, yb) = dn
+  x_kept = qdot.free_axes(x_ndim, xc, xb)
+  y_kept = qdot.free_axes(y_ndim, yc, yb)
+  nb = len(xb)
+  ans_batch = tuple(range(nb))
+  if swap_ans:
+    ans_y = tuple(range(nb, nb + len(y_kept)))
+    ans_x = tuple(range(nb + len(y_kept), nb + len(y_kept) + len(x_kept)))
+  else:
+    ans_x = tuple(range(nb, nb + len(x_kept)))
+    ans_y = tuple(range(nb + len(x_kept), nb + len(x_kept) + len(y_kept)))
+  dims = ((ans_y, tuple(y_kept)), (ans_batch, tuple(yb)))
+  xc_by_y = [xc[i] for i in np.argsort(yc)]
+  perm = tuple(int(i) for i in np.argsort(list(xb) + list(x_kept) + xc_by_y))
+  return dims, perm, ans_batch + ans_x
+
+
+def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
+  """Moves ``y``'s scale into ``g`` when it varies along the contraction.
+
+  Returns (g', y', m) or None when the scale varies jointly along contracted
+  and free axes of this product (then the caller multiplies in float). ``g'``
+  is ``g`` times ``y``'s scale over ``m``, a power of two at least its largest
+  value (per batch index; shape ``(batch...)``): ``g * scale`` itself can
+  overflow float32 (a gradient of 1e25 times a scale of 1e20) where the
+  product does not, and dividing by a power of two is exact, so multiplying
+  the product by ``m`` gives the same numbers wherever nothing overflows.
+  """
+  (gc, yk), (gb, yb) = dims
+  ys = y.scale
+  y_free = [a for a in range(y.ndim) if a not in yk and a not in yb]
+  varies = lambda axes: any(ys.shape[a] != 1 for a in axes)
+  if not varies(yk):
+    return g, y, None
+  if varies(y_free):
+    return None
+  t = jnp.transpose(ys, tuple(yb) + tuple(yk) + tuple(y_free))
+  t = t.reshape(t.shape[:len(yb) + len(yk)])
+  nb = len(yb)
+  top = jnp.max(jnp.abs(t), axis=tuple(range(nb, t.ndim)), keepdims=True)
+  _, e = jnp.frexp(jnp.where(jnp.isfinite(top) & (top > 0), top, 1.0))
+  m = jnp.ldexp(jnp.float32(1), e)  # a power of two >= top (scales are <= float32 max / 2)
+  t = t / m
+  if swap_ans:
+    s_g = t.reshape(t.shape + (1,) * nxk)
+  else:
+    s_g = t.reshape(t.shape[:nb] + (1,) * nxk + t.shape[nb:])
+  g2 = g.astype(jnp.float32) * s_g
+  y2 = dataclasses.replace(y, scale=jnp.ones((1,) * y.ndim, jnp.float32))
+  return g2, y2, m.reshape(m.shape[:nb])
+
+
+def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, key,
+                     implementation: str, x_shape, out_dtype=jnp.float32, y_dtype=None):
+  """``x_bar`` for one operand: quantize g (folding y's scale), dot, transpose.
+  ``out_dtype``: the product's dtype (float32, or the operand's own dtype where
+  nothing but a cast follows: the same numbers, half the bytes for bf16).
+  ``y_dtype``: the dtype ``y`` had before it was quantized (default: float32):
+  a product with a float side runs in ``promote_types(g.dtype, y_dtype)``."""
+
+  dims, perm, g_free = transpose_dims(dn_x_first, x_ndim, y_res.ndim, swap_ans=swap_ans)
+  g_in, y_in, m = g, y_res, None
+  if gq is not None:
+    if qdot.is_quantized(y_res):
+      x_kept = len(qdot.free_axes(x_ndim, dn_x_first[0][0], dn_x_first[1][0]))
+      folded = _fold_scale(g, y_res, dims, swap_ans, x_kept)
+      if folded is not None:
+        g_in, y_in, m = folded
+    g_in = quantize_grad(g_in, gq, g_free, key)
+  ctype = compute_dtype(g.dtype, y_dtype if y_dtype is not None else jnp.float32)
+  r = dispatch.quantized_dot_general(
+      g_in, y_in, dims, preferred_element_type=out_dtype if m is None else jnp.float32,
+      implementation=implementation, compute_dtype=ctype)
+  if m is not None:  # the fold's power of two, per batch index (the product's leading axes)
+    r = (r * m.reshape(m.shape + (1,) * (r.ndim - m.ndim))).astype(out_dtype)
+  return jnp.transpose(r, perm).reshape(x_shape)
+
+
+# ----------------------------------------------------------------------------
+# The op.
+
+
+def _channel_axes(ndim, contract, batch):
+  return tuple(sorted(set(batch) | set(qdot.free_axes(ndim, contract, batch))))
+
+
+def _forward(lhs, rhs, lhs_scale, rhs_scale, dn, config, precision, out_dtype):
+
+  (lc, rc), (lb, rb) = dn
+  lres = quantize_operand(lhs, config.lhs, lhs_scale, _channel_axes(lhs.ndim, lc, lb),
+                          lc[-1] if lc else None, "lhs")
+  rres = quantize_operand(rhs, config.rhs, rhs_scale, _channel_axes(rhs.ndim, rc, rb),
+                          rc[-1] if rc else None, "rhs")
+  if config.lhs is None and config.rhs is None:
+    out = qdot.float_dot_general(lhs, rhs, dn, precision=precision, preferred_element_type=out_dtype)
+  else:
+    out = dispatch.quantized_dot_general(lres.value, rres.value, dn, preferred_element_type=out_dtype,
+                                         implementation=config.implementation,
+                                         compute_dtype=compute_dtype(lhs.dtype, rhs.dtype))
+  return out, (lres, rres)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _dot_general_qt(lhs, rhs, lhs_scale, rhs_scale, kd, dn, config, precision, out_dtype, shapes):
+  return _forward(lhs, rhs, lhs_scale, rhs_scale, dn, config, precision, out_dtype)[0]
+
+
+def _fwd(lhs, rhs, lhs_scale, rhs_scale, kd, dn, config, precision, out_dtype, shapes):
+  out, (lres, rres) = _forward(lhs, rhs, lhs_scale, rhs_scale, dn, config, precision, out_dtype)
+  return out, (lres, rres, kd)
+
+
+def _bwd(dn, config, precision, out_dtype, shapes, res, g):
+  lres, rres, kd = res
+  (lshape, rshape, ldtype, rdtype) = shapes
+  (lc, rc), (lb, rb) = dn
+  k_l, k_r = split_key(kd, 2)
+  # Without a learned scale, finish_operand_grad only masks and casts x_bar, and
+  # every product path rounds its float32 result once at the end: the product
+  # may be written in the operand's float dtype directly (the same numbers).
+  bar_dtype = lambda res, dtype: (dtype if res.given_scale is None
+                                  and jnp.issubdtype(dtype, jnp.floating) else jnp.float32)
+  lhs_bar = backward_product(g, rres.value, dn, len(lshape), swap_ans=False, gq=config.dlhs_grad,
+                             key=k_l, implementation=config.implementation, x_shape=lshape,
+                             out_dtype=bar_dtype(lres, ldtype), y_dtype=rdtype)
+  rhs_bar = backward_product(g, lres.value, ((rc, lc), (rb, lb)), len(rshape), swap_ans=True,
+                             gq=config.drhs_grad, key=k_r, implementation=config.implementation,
+                             x_shape=rshape, out_dtype=bar_dtype(rres, rdtype), y_dtype=ldtype)
+  lhs_bar, ls_bar = finish_operand_grad(lhs_bar, lres, config.lhs, ldtype)
+  rhs_bar, rs_bar = finish_operand_grad(rhs_bar, rres, config.rhs, rdtype)
+  return lhs_bar, rhs_bar, ls_bar, rs_bar, None
+
+
+_dot_general_qt.defvjp(_fwd, _bwd)
+
+
+# ----------------------------------------------------------------------------
+# Tiles over a contraction of several axes.
+
+
+def _merge_axes(x, scale, group, batch, what):
+  """Brings ``group`` (axes of ``x``, in this order) together at ``min(group)`` and merges them.
+
+  The other axes keep their order, so the product's output layout is unchanged. Returns
+  (x', scale', merged axis, batch axes renumbered). A passed-in scale goes the same way (its
+  contracting axes are broadcast first when they vary, so the merged scale stays exact).
+  """
+  nd = x.ndim
+  pos = min(group)
+  rest = [a for a in range(nd) if a not in group]
+  order = [a for a in rest if a < pos] + list(group) + [a for a in rest if a > pos]
+  new_index = {a: i if i < pos else (pos if i < pos + len(group) else i - len(group) + 1)
+               for i, a in enumerate(order)}
+
+  def merge(v):
+    if order != list(range(nd)):
+      v = jnp.transpose(v, order)
+    return v.reshape(v.shape[:pos] + (int(np.prod(v.shape[pos:pos + len(group)])),)
+                     + v.shape[pos + len(group):])
+
+  if scale is not None:
+    s = as_scale(scale, x.shape, f"{what}_scale")
+    for a in group:  # a scale entry covers x.shape[a] // s.shape[a] consecutive elements
+      if s.shape[a] != 1:
+        s = jnp.repeat(s, x.shape[a] // s.shape[a], axis=a)
+    scale = merge(s)
+  return merge(x), scale, pos, tuple(new_index[a] for a in batch)
+
+
+def merge_tiled_contraction(lhs, rhs, dn, tile_sizes, lhs_scale=None, rhs_scale=None):
+  """Makes ``tile_size`` apply to the whole contraction of a multi-axis contraction.
+
+  ``tile_size`` groups the contraction, the product of the contracting axes in
+  the order the contracting axes lie in ``lhs`` (MultiHeadDotProductAttention's
+  out projection contracts (heads, head_dim) = (4, 32): a 64 tile spans two
+  heads).
+  When an operand has a tile and the op contracts more than one axis, the
+  contracting axes of both operands are brought together (a transpose only
+  where they are not already adjacent and in the same order) and reshaped to
+  one axis; JAX differentiates the reshape. The output layout does not change.
+
+  ``tile_sizes``: ``(lhs tile_size, rhs tile_size)``, None where untiled (the
+  config's; :mod:`qtrain.freeze` passes the frozen weight's, so frozen layers
+  group their weights exactly as the op does).
+
+  Returns ``(lhs, rhs, dn, lhs_scale, rhs_scale)``, unchanged when there is
+  nothing to merge. Raises ValueError when a tile does not divide the contraction.
+  """
+  (lc, rc), (lb, rb) = dn
+  tiled = [(n, t) for n, t in zip(("lhs", "rhs"), tile_sizes) if t]
+  if not tiled or len(lc) < 2:
+    return lhs, rhs, dn, lhs_scale, rhs_scale
+  sizes = tuple(int(jnp.shape(lhs)[a]) for a in lc)
+  k = int(np.prod(sizes))
+  for name, tile in tiled:
+    if k % tile:
+      raise ValueError(
+          f"config.{name}.tile_size={tile} does not divide the contraction of size {k} "
+          f"(contracting axes {tuple(lc) if name == 'lhs' else tuple(rc)} of {name} shape "
+          f"{tuple(jnp.shape(lhs if name == 'lhs' else rhs))}: {' x '.join(map(str, sizes))})")
+  # The contraction is flattened in the order its axes lie in lhs (the pairs sorted by the lhs
+  # axis), so adjacent lhs axes need no transpose; rhs is transposed only where its paired axes
+  # are not adjacent and in that order.
+  pairs = sorted(zip(lc, rc))
+  lhs, lhs_scale, l_axis, lb = _merge_axes(jnp.asarray(lhs), lhs_scale, [p[0] for p in pairs],
+                                           lb, "lhs")
+  rhs, rhs_scale, r_axis, rb = _merge_axes(jnp.asarray(rhs), rhs_scale, [p[1] for p in pairs],
+                                           rb, "rhs")
+  return lhs, rhs, (((l_axis,), (r_axis,)), (lb, rb)), lhs_scale, rhs_scale
+
+
+def dot_general_qt(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers,
+    config: cfg_lib.DotGeneralQtConfig,
+    *,
+    precision=None,
+    preferred_element_type=None,
+    key: jax.Array | None = None,
+    lhs_scale: jax.Array | None = None,
+    rhs_scale: jax.Array | None = None,
+) -> jax.Array:
+  """Quantized-training ``jax.lax.dot_general``.
+
+  Dtypes (:mod:`qtrain.ops.qt_operand` states the policy once for both QT
+  ops): the output is ``preferred_element_type`` or ``result_type(lhs, rhs)``;
+  a float operand times a quantized one runs in ``promote_types(lhs.dtype,
+  rhs.dtype)`` (bf16 x a bf16-quantized weight stays a bf16 product with
+  float32 accumulation; a float32-quantized operand times float16 computes
+  in float32); two quantized operands run int8 x int8 -> int32 or fp8 x fp8
+  -> float32 (mixed fp8 kinds too), integer x fp8 in float32. The backward
+  products follow the same rule with the incoming gradient as the float
+  side; gradients come back in each operand's dtype.
+
+  An operand with no elements (M, N or K = 0) gives zeros of the output
+  shape, as :func:`jax.lax.dot_general` does, and zero (or empty) gradients:
+  nothing is quantized and no kernel runs, whatever ``implementation`` says.
+
+  Args:
+    lhs, rhs: float operands.
+    dimension_numbers: as for :func:`jax.lax.dot_general` (batch axes too);
+      validated up front (distinct axes, matching counts and sizes).
+    config: a :class:`~qtrain.ops.config.DotGeneralQtConfig`.
+    precision: used by float products (an unquantized op).
+    preferred_element_type: the output dtype (default: the operands' result
+      type); the backward returns gradients in each operand's dtype.
+    key: PRNG key for stochastic rounding of gradients (required when the
+      config asks for stochastic rounding).
+    lhs_scale, rhs_scale: optional scales to use instead of calibrating
+      (static or learned; they receive gradients per ``scale_grad``).
+
+  Returns:
+    ``dot_general(lhs, rhs)`` computed with quantized operands.
+
+  Raises:
+    ValueError: on a config that cannot be honoured (the message names the
+      field), non-float operands or ``preferred_element_type``, or invalid
+      dimension numbers.
+  """
+  if not isinstance(config, cfg_lib.DotGeneralQtConfig):
+    raise ValueError(f"config must be a DotGeneralQtConfig, got {type(config).__name__}")
+  out_dtype = check_operands(lhs, rhs, preferred_element_type)
+  dn = qdot.normalize_dimension_numbers(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs),
+                                        lhs_shape=jnp.shape(lhs), rhs_shape=jnp.shape(rhs))
+  if config.needs_key and key is None:
+    raise ValueError("config asks for stochastic_rounding in dlhs_grad/drhs_grad: pass key=")
+  lhs, rhs, dn, lhs_scale, rhs_scale = merge_tiled_contraction(
+      lhs, rhs, dn, tuple(None if oq is None else oq.tile_size for oq in (config.lhs, config.rhs)),
+      lhs_scale, rhs_scale)
+  for name, oq, x, c in (("lhs", config.lhs, lhs, dn[0][0]), ("rhs", config.rhs, rhs, dn[0][1])):
+    if oq is not None and oq.tile_size:
+      if not c:
+        raise ValueError(f"config.{name}.tile_size={oq.tile_size} but the op contracts no axis")
+      n = jnp.shape(x)[c[-1]]
+      if n % oq.tile_size:
+        raise ValueError(f"config.{name}.tile_size={oq.tile_size} does not divide the contracting "
+                         f"axis of size {n} (shape {jnp.shape(x)})")
+  check_given_scale(config.lhs, lhs_scale, "lhs")
+  check_given_scale(config.rhs, rhs_scale, "rhs")
+  if jnp.size(lhs) == 0 or jnp.size(rhs) == 0:
+    return jnp.zeros(qdot.output_shape(jnp.shape(lhs), jnp.shape(rhs), dn), out_dtype)
+  shapes = (tuple(jnp.shape(lhs)), tuple(jnp.shape(rhs)), jnp.result_type(lhs), jnp.result_type(rhs))
+  return _dot_general_qt(lhs, rhs, lhs_scale, rhs_scale, as_key(key), dn, config, precision,
+                         out_dtype, shapes)

@@ -1,0 +1,277 @@
+"""The Mosaic int8 GEMM (qtrain.kernels.mosaic_gemm) and its dispatch.
+
+CPU: configs and their errors, the reference against float64, the dispatch
+plan (canonicalisation and scales, checked bit for bit against the XLA path),
+the QT backward's output dtype. GPU (``-m gpu``, a Hopper GPU and jax >= 0.11):
+the kernel bit for bit against its reference over configs and output dtypes,
+"auto" dispatch onto it, and a QT op's gradients on it against cuBLAS's.
+"""
+
+import importlib
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qtrain.ops import config as C
+from qtrain.core import qarray as qa
+from qtrain.core import qdot
+from qtrain.ops.dot_general_qt import dot_general_qt
+from qtrain.kernels import _common
+from qtrain.ops import dispatch
+from qtrain.kernels import mosaic_gemm as mg
+from qtrain.kernels.mosaic_matmul import UnsupportedCall
+
+dqt = importlib.import_module("qtrain.ops.dot_general_qt")
+DN = (((1,), (0,)), ((), ()))  # (M, K) x (K, N): the rhs needs a transpose to (N, K)
+
+
+def _codes(key, shape):
+  return jax.random.randint(key, shape, -127, 128, jnp.int8)
+
+
+def _scales(key, n):
+  return jax.random.uniform(key, (n,), jnp.float32, 0.5, 1.5) * 1e-2
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(tile_m=96), "tile_m=96; valid"),
+    (dict(tile_n=32), "tile_n=32; valid"),
+    (dict(tile_k=512), "tile_k=512; valid"),
+    (dict(tile_m=128, tile_n=256), "16384"),
+    (dict(steps=1), "steps=1; valid: 2..8"),
+    (dict(wg_axis="k"), "wg_axis='k'; valid"),
+    (dict(grid_minor="x"), "grid_minor='x'; valid"),
+    (dict(snake=0), "snake=0"),
+])
+def test_config_errors_name_the_bad_value(kw, match):
+  with pytest.raises(ValueError, match=match):
+    mg.GemmConfig(**kw)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_default_config_fits_and_tiles_the_ctas(out_dtype):
+  cfg = mg.default_config(8192, 4096, 16384, out_dtype)
+  assert mg.smem_bytes(cfg, out_dtype) <= mg.SMEM_BYTES
+  assert cfg.steps == (4 if out_dtype != jnp.float32 else 3)
+  assert (cfg.cta_m, cfg.cta_n) == (128, 256)
+  assert (mg.GemmConfig(wg_axis="m").cta_m, mg.GemmConfig(wg_axis="m").cta_n) == (256, 128)
+
+
+def test_default_config_keeps_the_sms_busy():
+  # (128, 256) CTA tiles, or (128, 128) where those would leave more than half the SMs idle
+  assert mg.default_config(8192, 16384, 4096, num_sms=132) == mg.GemmConfig()
+  assert mg.default_config(1024, 4096, 4096, num_sms=132) == mg.GemmConfig()  # 128 tiles
+  small = mg.default_config(512, 4096, 4096, num_sms=132)  # 64 tiles of (128, 256)
+  assert (small.cta_m, small.cta_n) == (128, 128) and small.steps == 4
+  assert mg.default_config(512, 4096, 4096, num_sms=64) == mg.GemmConfig()
+
+
+def test_checked_config_errors():
+  a, b = jnp.ones((256, 256), jnp.int8), jnp.ones((512, 256), jnp.int8)
+  assert mg.checked_config(a, b) == mg.default_config(256, 512, 256)
+  with pytest.raises(ValueError, match=r"\(M, K\) and \(N, K\)"):
+    mg.checked_config(a, jnp.ones((512, 128), jnp.int8))
+  with pytest.raises(ValueError, match="must be int8; got int8 and float32"):
+    mg.checked_config(a, b.astype(jnp.float32))
+  with pytest.raises(ValueError, match="out_dtype=int32"):
+    mg.checked_config(a, b, out_dtype=jnp.int32)
+  with pytest.raises(UnsupportedCall, match=r"\(M, N, K\) = \(200, 512, 256\).*\(128, 256\)"):
+    mg.checked_config(jnp.ones((200, 256), jnp.int8), b, mg.GemmConfig())
+  with pytest.raises(UnsupportedCall, match="shared memory"):
+    mg.checked_config(a, b, mg.GemmConfig(tile_k=256, steps=4))
+  big = jax.ShapeDtypeStruct((128, mg.MAX_K + 128), jnp.int8)
+  with pytest.raises(UnsupportedCall, match="int32 accumulator"):
+    mg.checked_config(big, jax.ShapeDtypeStruct((256, mg.MAX_K + 128), jnp.int8))
+  with pytest.raises(ValueError, match="a_scale has 3 entries; expected 1 or 256"):
+    mg.mosaic_gemm_reference(a, b, a_scale=jnp.ones(3))
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error off a GPU (on a GPU the kernel runs)")
+def test_mosaic_gemm_off_gpu_says_so():
+  a, b = jnp.ones((128, 128), jnp.int8), jnp.ones((256, 128), jnp.int8)
+  with pytest.raises(ValueError, match="runs on a GPU; this backend is 'cpu'"):
+    mg.mosaic_gemm(a, b)
+
+
+@pytest.mark.parametrize("out_dtype, budget", [(jnp.float32, 2.0**-22), (jnp.bfloat16, 2.0**-8)])
+def test_reference_matches_float64(out_dtype, budget):
+  ks = jax.random.split(jax.random.key(1), 4)
+  a, b = _codes(ks[0], (24, 300)), _codes(ks[1], (40, 300))
+  sa, sb = _scales(ks[2], 24), _scales(ks[3], 40)
+  want = (np.asarray(a, np.float64) @ np.asarray(b, np.float64).T) * np.asarray(sa, np.float64)[:, None] \
+      * np.asarray(sb, np.float64)[None, :]
+  out = np.asarray(mg.mosaic_gemm_reference(a, b, a_scale=sa, b_scale=sb, out_dtype=out_dtype),
+                   np.float64)
+  # exact int32 sums; two float32 products (2 ulp) and the final cast's half ulp per element
+  assert np.all(np.abs(out - want) <= budget * np.abs(want) + 1e-30)
+
+
+def _int8_qarrays(m, k, n, seed=0, lhs_qtype="int8"):
+  ks = jax.random.split(jax.random.key(seed), 2)
+  x = qa.quantize(jax.random.normal(ks[0], (m, k)), qa.QuantizeSpec(qtype=lhs_qtype,
+                                                                      channelwise_axes=(0,)))
+  w = qa.quantize(jax.random.normal(ks[1], (k, n)), qa.QuantizeSpec(qtype="int8",
+                                                                      channelwise_axes=(1,)))
+  return x, w
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("lhs_qtype", ["int8", "int4", "binary"])
+def test_plan_gemm_gives_the_xla_paths_numbers(out_dtype, lhs_qtype):
+  # The plan's operands and scales, through the kernel's reference, are the
+  # XLA path's product bit for bit (same exact int32 sums, same epilogue order).
+  x, w = _int8_qarrays(256, 384, 512, lhs_qtype=lhs_qtype)
+  plan = dispatch._plan_gemm(x, w, DN, out_dtype)
+  assert plan.a.shape == (256, 384) and plan.b.shape == (512, 384) and plan.out_shape == (256, 512)
+  np.testing.assert_array_equal(plan.b, w.qvalue.T)
+  got = mg.mosaic_gemm_reference(plan.a, plan.b, a_scale=plan.a_scale, b_scale=plan.b_scale,
+                                 out_dtype=out_dtype)
+  want = qdot.dot_general_quantized_xla(x, w, DN, preferred_element_type=out_dtype)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_plan_gemm_refuses_what_it_cannot_take():
+  x, w = _int8_qarrays(256, 384, 512)
+  with pytest.raises(dispatch._Unsupported, match="lhs is not a QArray"):
+    dispatch._plan_gemm(x.dequantize(jnp.float32), w, DN, jnp.float32)
+  fp8 = qa.quantize(jnp.ones((256, 384)), qa.QuantizeSpec(qtype="float8_e4m3fn",
+                                                          channelwise_axes=(0,)))
+  with pytest.raises(dispatch._Unsupported, match="lhs qtype float8_e4m3fn"):
+    dispatch._plan_gemm(fp8, w, DN, jnp.float32)
+  grouped = qa.quantize(jax.random.normal(jax.random.key(2), (384, 512)),
+                        qa.QuantizeSpec(qtype="int8", channelwise_axes=(1,), tiled_axes={0: 128}))
+  with pytest.raises(dispatch._Unsupported, match="rhs scale varies along a contracting axis"):
+    dispatch._plan_gemm(x, grouped, DN, jnp.float32)
+  with pytest.raises(dispatch._Unsupported, match="output dtype int32"):
+    dispatch._plan_gemm(x, w, DN, jnp.int32)
+  with pytest.raises(dispatch._Unsupported, match=r"M=256 \(below 257 rows\)"):
+    dispatch._plan_gemm(x, w, DN, jnp.float32, min_m=257)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks dispatch off a GPU (GPU dispatch: the tests below)")
+def test_dispatch_off_hopper():
+  x, w = _int8_qarrays(256, 384, 512)
+  assert not _common.on_hopper()
+  assert dispatch._auto_gemm(x, w, DN, jnp.float32) is None  # "auto" stays on XLA
+  with pytest.raises(ValueError, match="Mosaic GEMM runs on a GPU"):
+    dispatch.quantized_dot_general(x, w, DN, preferred_element_type=jnp.float32,
+                                   implementation="mosaic")
+
+
+def _w8a8_qt_case(m, k, n, *, seed, w_std, sr, implementation):
+  """bf16 x (m, k), w (k, n) (standard deviation ``w_std``) and cotangent (m, n), and a
+  w8a8 QT config with int8 gradients (``sr`` stochastic rounding) on ``implementation``."""
+  ks = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(ks[0], (m, k), jnp.bfloat16)
+  w = jax.random.normal(ks[1], (k, n), jnp.bfloat16) * w_std
+  ct = jax.random.normal(ks[2], (m, n), jnp.bfloat16)
+  gq = C.GradQuant(qtype="int8", stochastic_rounding=sr)
+  cfg = C.DotGeneralQtConfig(lhs=C.OperandQuant(qtype="int8"), rhs=C.OperandQuant(qtype="int8"),
+                             dlhs_grad=gq, drhs_grad=gq, implementation=implementation)
+  return x, w, ct, cfg
+
+
+@pytest.mark.parametrize("given_scale", [False, True])
+def test_backward_products_in_the_operand_dtype_give_the_same_gradients(monkeypatch, given_scale):
+  # The QT backward writes each product in its operand's dtype (bf16 here)
+  # where only a mask and a cast follow; forcing float32 products must give
+  # the same gradients, bit for bit.
+  x, w, ct, cfg = _w8a8_qt_case(64, 128, 96, seed=3, w_std=0.1, sr="uniform",
+                                implementation="xla")
+  scales = (jnp.full((64, 1), 0.02), None) if given_scale else (None, None)
+
+  def grads():
+    f = lambda x, w: jnp.sum(dot_general_qt(x, w, DN, cfg, key=jax.random.key(7),
+                                            lhs_scale=scales[0]).astype(jnp.float32) * ct)
+    return jax.grad(f, (0, 1))(x, w)
+
+  seen = []
+  real = dqt.backward_product
+
+  def spy(*args, out_dtype=jnp.float32, **kw):
+    seen.append(jnp.dtype(out_dtype))
+    return real(*args, out_dtype=out_dtype, **kw)
+
+  monkeypatch.setattr(dqt, "backward_product", spy)
+  shipped = grads()
+  assert seen == ([jnp.dtype(jnp.float32)] if given_scale else [jnp.dtype(jnp.bfloat16)]) + [
+      jnp.dtype(jnp.bfloat16)]
+  monkeypatch.setattr(dqt, "backward_product",
+                      lambda *a, out_dtype=None, **kw: real(*a, out_dtype=jnp.float32, **kw))
+  forced = grads()
+  for s, f in zip(shipped, forced):
+    assert s.dtype == f.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(f, np.float32))
+
+
+# ----------------------------------------------------------------------------
+# On the GPU.
+
+_needs_hopper = pytest.mark.skipif(not _common.on_hopper() or jax.__version_info__ < (0, 11),
+                                   reason="needs a Hopper GPU and jax >= 0.11 (Pallas Mosaic GPU)")
+
+GPU_CONFIGS = {
+    "default": None,
+    "wg_m": mg.GemmConfig(wg_axis="m", grid_minor="m", snake=2, steps=3),
+    "wide": mg.GemmConfig(tile_m=64, tile_n=256, wg_axis="m", steps=3),
+    "narrow": mg.GemmConfig(tile_m=64, tile_n=64, tile_k=64, steps=2),
+    "deep_k": mg.GemmConfig(tile_m=64, tile_k=256, steps=2),
+}
+
+
+@pytest.mark.gpu
+@_needs_hopper
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("cfg", list(GPU_CONFIGS))
+def test_mosaic_gemm_gpu_is_exact(cfg, out_dtype):
+  ks = jax.random.split(jax.random.key(zlib.crc32(cfg.encode())), 4)
+  m, k, n = 512, 768, 1024  # several tiles along each axis, more tiles than one walk band
+  a, b = _codes(ks[0], (m, k)), _codes(ks[1], (n, k))
+  sa, sb = _scales(ks[2], m), _scales(ks[3], n)
+  config = GPU_CONFIGS[cfg]
+  assert mg.smem_bytes(config or mg.default_config(m, n, k, out_dtype), out_dtype) <= mg.SMEM_BYTES
+  out = jax.jit(lambda a, b: mg.mosaic_gemm(a, b, a_scale=sa, b_scale=sb, out_dtype=out_dtype,
+                                            config=config))(a, b)
+  ref = mg.mosaic_gemm_reference(a, b, a_scale=sa, b_scale=sb, out_dtype=out_dtype)
+  assert out.dtype == out_dtype and out.shape == (m, n)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+
+
+@pytest.mark.gpu
+@_needs_hopper
+def test_auto_runs_large_int8_products_on_the_gemm():
+  x, w = _int8_qarrays(dispatch.AUTO_GEMM_MIN_M, 384, 512)
+  run = lambda impl: jax.jit(lambda x, w: dispatch.quantized_dot_general(
+      x, w, DN, preferred_element_type=jnp.bfloat16, implementation=impl))
+  assert "mosaic_gpu" in run("auto").lower(x, w).as_text()
+  assert "mosaic_gpu" not in run("xla").lower(x, w).as_text()
+  np.testing.assert_array_equal(np.asarray(run("auto")(x, w), np.float32),
+                                np.asarray(run("xla")(x, w), np.float32))
+  np.testing.assert_array_equal(np.asarray(run("mosaic")(x, w), np.float32),
+                                np.asarray(run("xla")(x, w), np.float32))
+
+
+@pytest.mark.gpu
+@_needs_hopper
+def test_qt_gradients_on_the_gemm_equal_cublas(monkeypatch):
+  # An int8 QT op with int8 gradients: forward and both backward products on
+  # the Mosaic GEMM ("auto") give the same output and gradients as on XLA's
+  # cuBLAS int8 GEMM (the GEMM switched off), bit for bit.
+  x, w, ct, cfg = _w8a8_qt_case(1024, 512, 768, seed=4, w_std=0.05, sr="low_bit_uniform",
+                                implementation="auto")
+
+  def run():
+    f = lambda x, w: dot_general_qt(x, w, DN, cfg, key=jax.random.key(9))
+    fn = jax.jit(lambda x, w: (f(x, w), jax.vjp(f, x, w)[1](ct)))
+    return fn.lower(x, w).as_text(), fn(x, w)
+
+  text, on_gemm = run()
+  assert text.count("mosaic_gpu") >= 3  # the forward and both backward products
+  monkeypatch.setattr(dispatch, "AUTO_GEMM_MIN_M", 1 << 62)
+  text, on_cublas = run()
+  assert "mosaic_gpu" not in text
+  for g, c in zip(jax.tree.leaves(on_gemm), jax.tree.leaves(on_cublas)):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(c, np.float32))

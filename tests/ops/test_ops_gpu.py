@@ -1,0 +1,225 @@
+"""The QT ops jitted on the GPU give the numbers the same ops give on the CPU; GPU only.
+
+XLA's GPU Triton GEMM fusion once returned 2x results for quantized dots whose
+int8 operands were produced by fused quantize ops (jax 0.11.2, H200); XLA's GPU
+backend cannot lower integer convolutions. These tests pin both workarounds
+(qdot materializes its low-precision operands; conv_general_qt convolves
+integer values in float32 at HIGHEST precision off the CPU).
+
+Run on the GPU machine: ``PYTHONPATH=. python -m pytest -m gpu tests/ops/test_ops_gpu.py``.
+"""
+
+import importlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qtrain.core as qc
+
+import qtrain.ops as qops
+from _testutil import rel_error as _rel
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
+]
+
+# The same quantized math on two backends: only float32 summation order differs,
+# so forward and float-backward results agree to float32 rounding.
+BUDGET = 1e-5
+# Hopper's fp8 tensor cores accumulate with reduced precision (measured on an H200,
+# jax 0.11.2, 256x512x128: forward 7.5e-5 from the CPU's exact float32 accumulation).
+FP8_FWD_BUDGET = 5e-4
+# Behind a quantized incoming gradient, a one-ulp forward difference can move an
+# element of the gradient across a rounding boundary: one int8 step (1/127 of its
+# row's absmax) or one e5m2 step (a quarter of its value). Measured on an H200:
+# int8 gradients 1.6e-4 (w8a8, tile 16), e5m2 gradients 1.9e-3 (fp8).
+INT8_GRAD_BUDGET = 2e-3
+FP8_GRAD_BUDGET = 1e-2
+
+
+
+def _both(fn, *args):
+  gpu = jax.jit(fn)(*args)
+  with jax.default_device(jax.devices("cpu")[0]):
+    cpu = jax.jit(fn)(*[jax.device_put(a, jax.devices("cpu")[0]) for a in args])
+  return gpu, cpu
+
+
+CONFIGS = {
+    "w8a8_int8_grads": dict(lhs=qops.OperandQuant(qtype="int8"), rhs=qops.OperandQuant(qtype="int8"),
+                            dlhs_grad=qops.GradQuant(qtype="int8"), drhs_grad=qops.GradQuant(qtype="int8")),
+    "w8a8_tile16": dict(lhs=qops.OperandQuant(qtype="int8", tile_size=16),
+                        rhs=qops.OperandQuant(qtype="int8", tile_size=16),
+                        dlhs_grad=qops.GradQuant(qtype="int8"), drhs_grad=qops.GradQuant(qtype="int8")),
+    "w4_tile32_a16": dict(rhs=qops.OperandQuant(qtype="int4", tile_size=32)),
+    "binary": dict(lhs=qops.OperandQuant(qtype="binary", calibration="absmean"),
+                   rhs=qops.OperandQuant(qtype="binary", calibration="absmean")),
+    "fp8": dict(lhs=qops.OperandQuant(qtype="float8_e4m3fn"), rhs=qops.OperandQuant(qtype="float8_e4m3fn"),
+                dlhs_grad=qops.GradQuant(qtype="float8_e5m2"), drhs_grad=qops.GradQuant(qtype="float8_e5m2")),
+}
+
+
+@pytest.mark.parametrize("implementation", ["xla", "auto"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("shape", [(8, 32, 16), (256, 512, 128), (512, 256, 1024)])
+def test_dot_general_qt_gpu_matches_cpu(name, shape, implementation):
+  m, k, n = shape
+  cfg = qops.DotGeneralQtConfig(implementation=implementation, **CONFIGS[name])
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+  dn = (((1,), (0,)), ((), ()))
+  fwd = lambda x, w: qops.dot_general_qt(x, w, dn, cfg)
+  grads = jax.grad(lambda x, w: jnp.sum(fwd(x, w) ** 2), (0, 1))
+  fwd_budget = FP8_FWD_BUDGET if name == "fp8" else BUDGET
+  grad_budget = {"fp8": FP8_GRAD_BUDGET, "w8a8_int8_grads": INT8_GRAD_BUDGET,
+                 "w8a8_tile16": INT8_GRAD_BUDGET}.get(name, BUDGET)
+  (g_out, c_out) = _both(fwd, x, w)
+  assert _rel(g_out, c_out) < fwd_budget
+  g_g, c_g = _both(grads, x, w)
+  for a, b in zip(g_g, c_g):
+    assert _rel(a, b) < grad_budget
+
+
+@pytest.mark.parametrize("qtype", ["int8", "binary", "float8_e4m3fn"])
+def test_conv_general_qt_gpu_matches_cpu(qtype):
+  cal = "absmean" if qtype == "binary" else "absmax"
+  cfg = qops.ConvGeneralQtConfig(lhs=qops.OperandQuant(qtype=qtype, calibration=cal),
+                               rhs=qops.OperandQuant(qtype=qtype, calibration=cal))
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((2, 9, 9, 16)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((3, 3, 16, 8)), jnp.float32)
+  fwd = lambda x, w: qops.conv_general_qt(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                        config=cfg)
+  g_out, c_out = _both(fwd, x, w)
+  # fp8: the GPU runs the convolution of fp8 values at fp8 GEMM accuracy (measured on an
+  # H200: 3.9e-5 to 5.5e-5, also for identical fp8 inputs; see the test below).
+  assert _rel(g_out, c_out) < (FP8_FWD_BUDGET if qtype.startswith("float8") else BUDGET)
+  g_g, c_g = _both(jax.grad(lambda x, w: jnp.sum(fwd(x, w) ** 2), (0, 1)), x, w)
+  # The backward convolutions run on the dequantized fp8 values: the same fp8-accuracy
+  # convolution on the GPU (measured 4.9e-5 on an H200).
+  for a, b in zip(g_g, c_g):
+    assert _rel(a, b) < (FP8_FWD_BUDGET if qtype.startswith("float8") else BUDGET)
+
+
+def _hlo_defs(text):
+  """name -> its defining line, for every instruction of a compiled HLO module."""
+  defs = {}
+  for line in text.splitlines():
+    line = line.strip()
+    if line.startswith("ROOT "):
+      line = line[5:]
+    if line.startswith("%") and " = " in line:
+      defs[line.split(" = ", 1)[0].lstrip("%")] = line
+  return defs
+
+
+def _shape_of(defn: str) -> tuple[str, list[int], list[int]]:
+  """(type, dims, layout) of an HLO value definition like 's8[256,512]{1,0} ...'."""
+  m = re.match(r"\(?(\w+)\[([\d,]*)\]\{([\d,]*)", defn)
+  ints = lambda t: [int(v) for v in t.split(",") if v]
+  return m.group(1), ints(m.group(2)), ints(m.group(3))
+
+
+@pytest.mark.parametrize("qtype,gq", [("int8", "int8"), ("float8_e4m3fn", "float8_e5m2")])
+def test_qt_dense_products_read_k_minor_operands(qtype, gq, monkeypatch):
+  # The forward and both backward products of a w8a8 layer with quantized gradients must
+  # reach the GEMM (cuBLAS, or a Triton GEMM that XLA's autotuner picked) with both operands
+  # K-minor: physically row-major with the contracting axis last. XLA otherwise turns the
+  # operand transposes into layouts that send the product to a slow GEMM (a cutlass sm80
+  # fallback at 1/8 of the int8 speed, measured in the training step). This checks XLA's
+  # path: the Mosaic int8 GEMM, which "auto" picks for large M on Hopper, is switched off.
+  from qtrain.ops import dispatch
+  monkeypatch.setattr(dispatch, "AUTO_GEMM_MIN_M", 1 << 62)
+  cfg = qops.DotGeneralQtConfig(lhs=qops.OperandQuant(qtype=qtype), rhs=qops.OperandQuant(qtype=qtype),
+                              dlhs_grad=qops.GradQuant(qtype=gq, stochastic_rounding="uniform"),
+                              drhs_grad=qops.GradQuant(qtype=gq, stochastic_rounding="uniform"))
+  dn = (((1,), (0,)), ((), ()))
+  x = jnp.ones((512, 256), jnp.bfloat16)
+  w = jnp.ones((256, 1024), jnp.bfloat16)
+  step = jax.jit(jax.grad(lambda x, w, k: jnp.sum(qops.dot_general_qt(x, w, dn, cfg, key=k)
+                                                   .astype(jnp.float32) ** 2), (0, 1)))
+  text = step.lower(x, w, jax.random.key(0)).compile().as_text()
+  defs = _hlo_defs(text)
+  low = ("s8", "f8e4m3fn", "f8e5m2")
+
+  def operands(line, op):
+    args = line.split(op + "(", 1)[1].split(")", 1)[0]
+    names = [a.strip().lstrip("%") for a in args.split(",")][:2]
+    return [_shape_of(defs[n].split(" = ", 1)[1]) for n in names if n in defs]
+
+  gemms = []
+  for line in defs.values():
+    if "__cublas$lt$matmul" in line and "custom-call(" in line:
+      ops = operands(line, "custom-call")
+      lc = re.search(r'"lhs_contracting_dimensions":\["(\d+)"\]', line)
+      rc = re.search(r'"rhs_contracting_dimensions":\["(\d+)"\]', line)
+    elif " dot(" in line:
+      ops = operands(line, "dot")
+      lc = re.search(r"lhs_contracting_dims=\{(\d+)\}", line)
+      rc = re.search(r"rhs_contracting_dims=\{(\d+)\}", line)
+    else:
+      continue
+    if len(ops) == 2 and all(t in low for t, _, _ in ops):
+      gemms.append((line, ops, int(lc.group(1)), int(rc.group(1))))
+  assert len(gemms) == 3, "\n".join(g[0] for g in gemms) or text[-3000:]
+  for line, ops, lc, rc in gemms:
+    for (_, dims, layout), c in zip(ops, (lc, rc)):
+      assert layout == list(range(len(dims) - 1, -1, -1)), (line, ops)  # row-major
+      assert c == len(dims) - 1, (line, ops)  # contracting axis minor
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "int8"])
+def test_quantization_gpu_matches_cpu_bit_exactly(dtype):
+  # The same float32 -> low-precision conversion on both backends (round to nearest even).
+  # The jitted function returns the low-precision values themselves.
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((4096,)) * 3, jnp.float32)
+  spec = qc.QuantizeSpec(qtype=dtype)
+  g, c = _both(lambda x: qc.quantize(x, spec).qvalue, x)
+  g, c = np.asarray(g).astype(np.float32), np.asarray(c).astype(np.float32)
+  diff = np.nonzero(g != c)[0]
+  assert diff.size == 0, (diff.size, list(zip(np.asarray(x)[diff][:5], g[diff][:5], c[diff][:5])))
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "int8"])
+@pytest.mark.parametrize("method", ["uniform", "low_bit_uniform"])
+def test_stochastic_rounding_gpu_matches_cpu_bit_exactly(dtype, method):
+  # Same key, same bits: threefry words, the byte split of low_bit_uniform and
+  # the fp8 bit-pattern rounding are integer ops, identical on both backends.
+  from qtrain.core import qtypes, rounding
+  qt = qtypes.get_qtype(dtype)
+  y = jnp.asarray(np.random.default_rng(4).standard_normal((64, 1027)) * 40, jnp.float32)
+  key = jax.random.key(5)
+  g, c = _both(lambda y, k: rounding.stochastic_round(y, qt, k, method=method), y, key)
+  np.testing.assert_array_equal(np.asarray(g).astype(np.float32), np.asarray(c).astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_fake_quantization_keeps_its_rounding_under_jit(dtype):
+  # quantize + dequantize in one jit: the f32 -> fp8 -> f32 round trip must not be folded
+  # away (XLA's excess-precision simplification); every value is an fp8 value times the scale.
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((4096,)) * 3, jnp.float32)
+  spec = qc.QuantizeSpec(qtype=dtype)
+  g, c = _both(lambda x: qc.fake_quantize(x, spec), x)
+  np.testing.assert_array_equal(np.asarray(g), np.asarray(c))
+  assert np.unique(np.asarray(g)).size <= 256
+
+
+def test_low_precision_conv_of_the_same_fp8_values_matches_cpu():
+  cq = importlib.import_module("qtrain.ops.conv_general_qt")  # the module, not the op
+  rng = np.random.default_rng(4)
+  a = jnp.asarray(rng.standard_normal((2, 9, 9, 16)) * 50, jnp.float8_e4m3fn)
+  b = jnp.asarray(rng.standard_normal((3, 3, 16, 8)) * 50, jnp.float8_e4m3fn)
+  p = dict(window_strides=(1, 1), padding="SAME", lhs_dilation=None, rhs_dilation=None,
+           dn=jax.lax.conv_dimension_numbers(a.shape, b.shape, ("NHWC", "HWIO", "NHWC")),
+           feature_group_count=1, batch_group_count=1, precision=None)
+  g, c = _both(lambda a, b: cq._low_precision_conv(a, b, p, is_float=True), a, b)
+  # The same fp8 values on both sides: the CPU's sum is exact float32 (it equals the
+  # float32 HIGHEST path there bit for bit); the GPU's (a float32 HIGHEST convolution of
+  # the fp8 values, which XLA may run as an fp8 convolution) was measured at 5.5e-5 on an
+  # H200, the accuracy of Hopper's fp8 accumulation (FP8_FWD_BUDGET, as for the fp8 dot).
+  assert _rel(g, c) < FP8_FWD_BUDGET
