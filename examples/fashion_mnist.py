@@ -17,7 +17,7 @@ scale; act = identity since the next layer binarizes); ``larq`` (larq
 group-wise scales (64 / 32 input features per group in dense layers,
 per-channel in convs), float activations). Adam with a cosine learning-rate
 decay; binary latent weights clipped to [-1, 1] (:func:`qtrain.optim.clip_latent_weights`);
-the learned input scales ``scale_a`` at 0.01x the learning rate (``--act_scale_lr_mult``;
+the learned input scales ``scale_a`` at 0.01x the learning rate (``--act-scale-lr-mult``;
 at 1x they collapse to 0 under batch norm, see :func:`qtrain.binary.bitorch`).
 
 ``--api qlayers`` (default) builds the quantized layers from
@@ -30,16 +30,16 @@ After each run the model is frozen (:func:`qtrain.freeze.freeze`: packed
 weights + scales), the frozen model is evaluated through the packed-matmul
 inference path, and the sizes are reported.
 
-Outputs in ``--out_dir``: ``summary.json`` (per run: test accuracy per epoch,
+Outputs in ``--out-dir``: ``summary.json`` (per run: test accuracy per epoch,
 seconds per epoch, model sizes, frozen-model accuracy), ``accuracy.png``, and
 ``<run>_params.msgpack`` (trained variables).
 
 Usage:
-  python examples/fashion_mnist.py --epochs 15 --runs float,binary,w4,w2 --out_dir /tmp/fmnist
-  python examples/fashion_mnist.py --epochs 1 --limit_train 5000 --runs binary   # a quick look
+  python examples/fashion_mnist.py --epochs 15 --runs float,binary,w4,w2 --out-dir /tmp/fmnist
+  python examples/fashion_mnist.py --epochs 1 --limit-train 5000 --runs binary   # a quick look
   # GPU, time per epoch (median of epochs 2..N excludes compilation), kernels for frozen inference:
-  python examples/fashion_mnist.py --epochs 3 --runs float,binary,w4,w2 --out_dir $OUT/fmnist \
-      --freeze_implementation triton --no_tqdm
+  python examples/fashion_mnist.py --epochs 3 --runs float,binary,w4,w2 --out-dir $OUT/fmnist \
+      --freeze-implementation triton --no-tqdm
 """
 
 from __future__ import annotations
@@ -330,32 +330,32 @@ def plot(results: dict, path: str):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--data_dir", default="/usr/share/datasets/fashion-mnist")
+  p.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
   p.add_argument("--epochs", type=int, default=15)
   p.add_argument("--runs", default="float,binary,w4,w2",
                  help="comma list of: float, binary, larq, xnor, binary_w, w8, w4, w2")
-  p.add_argument("--out_dir", default="/tmp/fashion_mnist")
-  p.add_argument("--batch_size", type=int, default=128)
+  p.add_argument("--out-dir", default="/tmp/fashion_mnist")
+  p.add_argument("--batch-size", type=int, default=128)
   p.add_argument("--lr", type=float, default=2e-3)
   p.add_argument("--width", type=int, default=32)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--act_scale_lr_mult", type=float, default=0.01,
+  p.add_argument("--act-scale-lr-mult", type=float, default=0.01,
                  help="learning-rate multiplier of the learned input scales (scale_a)")
-  p.add_argument("--limit_train", type=int, default=0, help="use only the first N training images")
-  p.add_argument("--freeze_implementation", default="xla",
+  p.add_argument("--limit-train", type=int, default=0, help="use only the first N training images")
+  p.add_argument("--freeze-implementation", default="xla",
                  choices=("auto", "xla", "triton", "mosaic", "interpret"),
                  help="where the frozen model's products run (qtrain.freeze)")
   p.add_argument("--api", default="qlayers", choices=("qlayers", "rules"),
                  help="qlayers: qtrain.qlayers.QConv/QDense; rules: nn.Conv/nn.Dense + "
                       "qtrain.quantize_model with the same quantization as QtRules")
-  p.add_argument("--no_tqdm", action="store_true")
-  p.add_argument("--report_only", action="store_true",
-                 help="skip training: redo the freeze report of runs saved in --out_dir")
+  p.add_argument("--no-tqdm", action="store_true")
+  p.add_argument("--report-only", action="store_true",
+                 help="skip training: redo the freeze report of runs saved in --out-dir")
   args = p.parse_args(argv)
   os.makedirs(args.out_dir, exist_ok=True)
   data_dir = _data.resolve_data_dir(args.data_dir)
   if data_dir != args.data_dir:
-    print(f"--data_dir {args.data_dir} not found; using {data_dir}")
+    print(f"--data-dir {args.data_dir} not found; using {data_dir}")
   x_tr, y_tr, x_te, y_te = _data.load_mnist_like(data_dir)
   if args.limit_train:
     x_tr, y_tr = x_tr[:args.limit_train], y_tr[:args.limit_train]
