@@ -34,6 +34,12 @@ Outputs in ``--out-dir``: ``summary.json`` (per run: test accuracy per epoch,
 seconds per epoch, model sizes, frozen-model accuracy), ``accuracy.png``, and
 ``<run>_params.msgpack`` (trained variables).
 
+Data: the four Fashion-MNIST IDX files (``train-images-idx3-ubyte.gz`` ...), looked for in
+``--data-dir``, then ``$QTRAIN_DATA_DIR``, then ``shared/data/fashion-mnist`` next to the
+repository, then Debian's ``/usr/share/datasets/fashion-mnist`` (package
+dataset-fashion-mnist); download them from
+https://github.com/zalandoresearch/fashion-mnist/tree/master/data/fashion.
+
 Usage:
   python examples/fashion_mnist.py --epochs 15 --runs float,binary,w4,w2 --out-dir /tmp/fmnist
   python examples/fashion_mnist.py --epochs 1 --limit-train 5000 --runs binary   # a quick look
@@ -330,7 +336,9 @@ def plot(results: dict, path: str):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
+  p.add_argument("--data-dir", default=None,
+                 help="folder of the Fashion-MNIST IDX files; if unset or without them: "
+                      f"${_data.ENV_VAR}, then {_data.SHARED_DIR}, then {_data.DEBIAN_DIR}")
   p.add_argument("--epochs", type=int, default=15)
   p.add_argument("--runs", default="float,binary,w4,w2",
                  help="comma list of: float, binary, larq, xnor, binary_w, w8, w4, w2")
@@ -352,10 +360,12 @@ def main(argv=None):
   p.add_argument("--report-only", action="store_true",
                  help="skip training: redo the freeze report of runs saved in --out-dir")
   args = p.parse_args(argv)
+  try:
+    data_dir = _data.resolve_data_dir(args.data_dir)
+  except _data.DataNotFoundError as e:
+    sys.exit(f"{p.prog}: {e}")
+  print(f"Fashion-MNIST from {data_dir}", flush=True)
   os.makedirs(args.out_dir, exist_ok=True)
-  data_dir = _data.resolve_data_dir(args.data_dir)
-  if data_dir != args.data_dir:
-    print(f"--data-dir {args.data_dir} not found; using {data_dir}")
   x_tr, y_tr, x_te, y_te = _data.load_mnist_like(data_dir)
   if args.limit_train:
     x_tr, y_tr = x_tr[:args.limit_train], y_tr[:args.limit_train]
