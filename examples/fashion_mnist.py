@@ -30,7 +30,8 @@ After each run the model is frozen (:func:`qtrain.freeze.freeze`: packed
 weights + scales), the frozen model is evaluated through the packed-matmul
 inference path, and the sizes are reported.
 
-Outputs in ``--out-dir``: ``summary.json`` (per run: test accuracy per epoch,
+Outputs in ``--out-dir``: ``summary.json`` (per run: test accuracy, train loss and accuracy
+(means over all steps of the epoch) per epoch,
 seconds per epoch, model sizes, frozen-model accuracy), ``accuracy.png``, and
 ``<run>_params.msgpack`` (trained variables).
 
@@ -215,12 +216,13 @@ def train_one(run: str, args, data, out_dir: str) -> dict:
     return loss, (upd["batch_stats"], logits)
 
   @jax.jit
-  def train_step(params, batch_stats, opt_state, x, y):
+  def train_step(params, batch_stats, opt_state, sums, x, y):
+    """One step; ``sums`` = (loss sum, accuracy sum) of the epoch so far, kept on device."""
     (loss, (bs, logits)), g = jax.value_and_grad(loss_fn, has_aux=True)(params, batch_stats, x, y)
     updates, opt_state = tx.update(g, opt_state, params)
     params = optax.apply_updates(params, updates)
     acc = jnp.mean(jnp.argmax(logits, -1) == y)
-    return params, bs, opt_state, loss, acc
+    return params, bs, opt_state, (sums[0] + loss, sums[1] + acc)
 
   @jax.jit
   def eval_logits(params, batch_stats, x):
@@ -239,25 +241,27 @@ def train_one(run: str, args, data, out_dir: str) -> dict:
   for epoch in range(args.epochs):
     perm = np_rng.permutation(n)
     t0 = time.perf_counter()
-    losses, accs = [], []
+    # Train loss / accuracy of the epoch: the mean over all its steps, summed on device
+    # (read back once per epoch; every 50 steps for the progress bar when it is shown).
+    sums = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
     bar = tqdm(range(steps_per_epoch), desc=f"{run} epoch {epoch + 1}/{args.epochs}",
                leave=False, mininterval=2.0, disable=args.no_tqdm)
     for s in bar:
       idx = perm[s * args.batch_size:(s + 1) * args.batch_size]
-      params, batch_stats, opt_state, loss, acc = train_step(
-          params, batch_stats, opt_state, jnp.asarray(x_tr[idx]), jnp.asarray(y_tr[idx]))
-      if s % 50 == 0:
-        losses.append(float(loss)); accs.append(float(acc))
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{accs[-1]:.3f}")
+      params, batch_stats, opt_state, sums = train_step(
+          params, batch_stats, opt_state, sums, jnp.asarray(x_tr[idx]), jnp.asarray(y_tr[idx]))
+      if not args.no_tqdm and (s + 1) % 50 == 0:
+        bar.set_postfix(loss=f"{float(sums[0]) / (s + 1):.3f}",
+                        acc=f"{float(sums[1]) / (s + 1):.3f}")
     jax.block_until_ready(params)
     dt = time.perf_counter() - t0
     test_acc = evaluate(params, batch_stats)
     hist["test_acc"].append(test_acc)
-    hist["train_loss"].append(float(np.mean(losses)))
-    hist["train_acc"].append(float(np.mean(accs)))
+    hist["train_loss"].append(float(sums[0]) / steps_per_epoch)
+    hist["train_acc"].append(float(sums[1]) / steps_per_epoch)
     hist["epoch_seconds"].append(dt)
     print(f"[{run}] epoch {epoch + 1}: test acc {test_acc:.4f}  train loss "
-          f"{hist['train_loss'][-1]:.4f}  {dt:.1f}s", flush=True)
+          f"{hist['train_loss'][-1]:.4f} (epoch mean)  {dt:.1f}s", flush=True)
   variables = {"params": params, "batch_stats": batch_stats}
   with open(os.path.join(out_dir, f"{run}_params.msgpack"), "wb") as f:
     f.write(serialization.to_bytes(variables))
