@@ -1,4 +1,4 @@
-"""Fashion-MNIST: float vs binary (weights + activations) vs 4-bit and 2-bit weights.
+r"""Fashion-MNIST: float vs binary (weights + activations) vs 4-bit and 2-bit weights.
 
 One CNN for every run; only the middle layers are quantized (first and last
 layer in float, batch norm after every quantized layer - the larq / bitorch
@@ -30,10 +30,11 @@ After each run the model is frozen (:func:`qtrain.freeze.freeze`: packed
 weights + scales), the frozen model is evaluated through the packed-matmul
 inference path, and the sizes are reported.
 
-Outputs in ``--out-dir``: ``summary.json`` (per run: test accuracy, train loss and accuracy
-(means over all steps of the epoch) per epoch,
-seconds per epoch, model sizes, frozen-model accuracy), ``accuracy.png``, and
-``<run>_params.msgpack`` (trained variables).
+Outputs in ``--out-dir`` (default ``<system temp dir>/qtrain_fashion_mnist``, e.g.
+``/tmp/qtrain_fashion_mnist``): ``summary.json`` (per run: test accuracy, train loss and train
+accuracy per epoch - the latter two the means over all the epoch's steps - seconds per epoch,
+model sizes, frozen-model accuracy; runs already in it from earlier calls are kept),
+``accuracy.png``, and ``<run>_params.msgpack`` (trained variables).
 
 Data: the four Fashion-MNIST IDX files (``train-images-idx3-ubyte.gz`` ...), looked for in
 ``--data-dir``, then ``$QTRAIN_DATA_DIR``, then ``shared/data/fashion-mnist`` next to the
@@ -56,6 +57,7 @@ import functools
 import json
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -74,6 +76,7 @@ from qtrain import optim  # noqa: E402
 from qtrain.qlayers import QConv, QDense  # noqa: E402
 
 QUANT_LAYERS = ("conv2", "conv3", "dense1")
+RUN_NAMES = ("float", "binary", "larq", "xnor", "binary_w", "w8", "w4", "w2")
 
 
 def run_preset(run: str) -> tuple[binary.LayerQuant | None, binary.LayerQuant | None]:
@@ -345,8 +348,10 @@ def main(argv=None):
                       f"${_data.ENV_VAR}, then {_data.SHARED_DIR}, then {_data.DEBIAN_DIR}")
   p.add_argument("--epochs", type=int, default=15)
   p.add_argument("--runs", default="float,binary,w4,w2",
-                 help="comma list of: float, binary, larq, xnor, binary_w, w8, w4, w2")
-  p.add_argument("--out-dir", default="/tmp/fashion_mnist")
+                 help="comma list of: " + ", ".join(RUN_NAMES))
+  p.add_argument("--out-dir", default=os.path.join(tempfile.gettempdir(), "qtrain_fashion_mnist"),
+                 help="where summary.json, accuracy.png and <run>_params.msgpack go "
+                      "(default: %(default)s)")
   p.add_argument("--batch-size", type=int, default=128)
   p.add_argument("--lr", type=float, default=2e-3)
   p.add_argument("--width", type=int, default=32)
@@ -364,6 +369,11 @@ def main(argv=None):
   p.add_argument("--report-only", action="store_true",
                  help="skip training: redo the freeze report of runs saved in --out-dir")
   args = p.parse_args(argv)
+  if args.epochs < 1:
+    p.error("--epochs must be at least 1")
+  runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+  if not runs or any(r not in RUN_NAMES for r in runs):
+    p.error(f"--runs {args.runs!r}: a comma list of " + ", ".join(RUN_NAMES))
   try:
     data_dir = _data.resolve_data_dir(args.data_dir)
   except _data.DataNotFoundError as e:
@@ -373,13 +383,15 @@ def main(argv=None):
   x_tr, y_tr, x_te, y_te = _data.load_mnist_like(data_dir)
   if args.limit_train:
     x_tr, y_tr = x_tr[:args.limit_train], y_tr[:args.limit_train]
+  if x_tr.shape[0] < args.batch_size:
+    p.error(f"{x_tr.shape[0]} training images, fewer than --batch-size {args.batch_size}")
   data = (preprocess(x_tr), y_tr.astype(np.int32), preprocess(x_te), y_te.astype(np.int32))
   summary_path = os.path.join(args.out_dir, "summary.json")
   results = {}
   if os.path.exists(summary_path):
     with open(summary_path) as f:
       results = json.load(f).get("runs", {})
-  for run in [r.strip() for r in args.runs.split(",") if r.strip()]:
+  for run in runs:
     if args.report_only:
       results[run] = report_only(run, args, data, args.out_dir, results.get(run, {}))
     else:
@@ -390,6 +402,8 @@ def main(argv=None):
   print(json.dumps({k: {kk: v[kk] for kk in ("final_test_acc", "best_test_acc",
                                              "seconds_per_epoch_median") if kk in v}
                     for k, v in results.items()}, indent=1))
+  print(f"wrote {summary_path} and {os.path.join(args.out_dir, 'accuracy.png')}")
+  return results
 
 
 if __name__ == "__main__":
