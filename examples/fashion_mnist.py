@@ -341,7 +341,7 @@ def plot(results: dict, path: str):
   plt.close(fig)
 
 
-def main(argv=None):
+def make_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--data-dir", default=None,
                  help="folder of the Fashion-MNIST IDX files; if unset or without them: "
@@ -368,6 +368,11 @@ def main(argv=None):
   p.add_argument("--no-tqdm", action="store_true")
   p.add_argument("--report-only", action="store_true",
                  help="skip training: redo the freeze report of runs saved in --out-dir")
+  return p
+
+
+def main(argv=None):
+  p = make_parser()
   args = p.parse_args(argv)
   if args.epochs < 1:
     p.error("--epochs must be at least 1")

@@ -172,7 +172,7 @@ def train(name: str, rules, data, *, steps: int, batch: int, lr: float, seed: in
               step_ms=1e3 * t_steps / max(steps - 1, 1), summary=summary)
 
 
-def main(argv=None):
+def make_parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   ap.add_argument("--steps", type=int, default=1000, help="training steps per run")
@@ -182,6 +182,11 @@ def main(argv=None):
   ap.add_argument("--out-dir", default=os.path.join(tempfile.gettempdir(), "qtrain_quickstart"),
                   help="where results.json and loss.png go")
   ap.add_argument("--runs", default="float,int8,binary", help="comma list of: " + ", ".join(RUNS))
+  return ap
+
+
+def main(argv=None):
+  ap = make_parser()
   args = ap.parse_args(argv)
   runs = [r.strip() for r in args.runs.split(",") if r.strip()]
   if not runs or any(r not in RUNS for r in runs):
