@@ -126,7 +126,7 @@ def train(name: str, rules, data, *, steps: int, batch: int, lr: float, seed: in
   model = MLP()
   if rules:
     model = qtrain.quantize_model(model, qtrain.QtProvider(rules))
-  variables = model.init(jax.random.key(seed), xtr[:batch])
+  variables = jax.jit(model.init)(jax.random.key(seed), xtr[:batch])  # one compile, not one per op
   state = train_state.TrainState.create(apply_fn=model.apply, params=variables["params"],
                                         tx=optax.adam(lr))
   qkey = jax.random.key(seed + 1)
