@@ -1,4 +1,4 @@
-"""Fashion-MNIST: float vs binary (weights + activations) vs 4-bit and 2-bit weights.
+r"""Fashion-MNIST: float vs binary (weights + activations) vs 4-bit and 2-bit weights.
 
 One CNN for every run; only the middle layers are quantized (first and last
 layer in float, batch norm after every quantized layer - the larq / bitorch
@@ -17,7 +17,7 @@ scale; act = identity since the next layer binarizes); ``larq`` (larq
 group-wise scales (64 / 32 input features per group in dense layers,
 per-channel in convs), float activations). Adam with a cosine learning-rate
 decay; binary latent weights clipped to [-1, 1] (:func:`qtrain.optim.clip_latent_weights`);
-the learned input scales ``scale_a`` at 0.01x the learning rate (``--act_scale_lr_mult``;
+the learned input scales ``scale_a`` at 0.01x the learning rate (``--act-scale-lr-mult``;
 at 1x they collapse to 0 under batch norm, see :func:`qtrain.binary.bitorch`).
 
 ``--api qlayers`` (default) builds the quantized layers from
@@ -30,16 +30,24 @@ After each run the model is frozen (:func:`qtrain.freeze.freeze`: packed
 weights + scales), the frozen model is evaluated through the packed-matmul
 inference path, and the sizes are reported.
 
-Outputs in ``--out_dir``: ``summary.json`` (per run: test accuracy per epoch,
-seconds per epoch, model sizes, frozen-model accuracy), ``accuracy.png``, and
-``<run>_params.msgpack`` (trained variables).
+Outputs in ``--out-dir`` (default ``<system temp dir>/qtrain_fashion_mnist``, e.g.
+``/tmp/qtrain_fashion_mnist``): ``summary.json`` (per run: test accuracy, train loss and train
+accuracy per epoch - the latter two the means over all the epoch's steps - seconds per epoch,
+model sizes, frozen-model accuracy; runs already in it from earlier calls are kept),
+``accuracy.png``, and ``<run>_params.msgpack`` (trained variables).
+
+Data: the four Fashion-MNIST IDX files (``train-images-idx3-ubyte.gz`` ...), looked for in
+``--data-dir``, then ``$QTRAIN_DATA_DIR``, then ``shared/data/fashion-mnist`` next to the
+repository, then Debian's ``/usr/share/datasets/fashion-mnist`` (package
+dataset-fashion-mnist); download them from
+https://github.com/zalandoresearch/fashion-mnist/tree/master/data/fashion.
 
 Usage:
-  python examples/fashion_mnist.py --epochs 15 --runs float,binary,w4,w2 --out_dir /tmp/fmnist
-  python examples/fashion_mnist.py --epochs 1 --limit_train 5000 --runs binary   # a quick look
+  python examples/fashion_mnist.py --epochs 15 --runs float,binary,w4,w2 --out-dir /tmp/fmnist
+  python examples/fashion_mnist.py --epochs 1 --limit-train 5000 --runs binary   # a quick look
   # GPU, time per epoch (median of epochs 2..N excludes compilation), kernels for frozen inference:
-  python examples/fashion_mnist.py --epochs 3 --runs float,binary,w4,w2 --out_dir $OUT/fmnist \
-      --freeze_implementation triton --no_tqdm
+  python examples/fashion_mnist.py --epochs 3 --runs float,binary,w4,w2 --out-dir $OUT/fmnist \
+      --freeze-implementation triton --no-tqdm
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import functools
 import json
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -67,6 +76,7 @@ from qtrain import optim  # noqa: E402
 from qtrain.qlayers import QConv, QDense  # noqa: E402
 
 QUANT_LAYERS = ("conv2", "conv3", "dense1")
+RUN_NAMES = ("float", "binary", "larq", "xnor", "binary_w", "w8", "w4", "w2")
 
 
 def run_preset(run: str) -> tuple[binary.LayerQuant | None, binary.LayerQuant | None]:
@@ -197,7 +207,9 @@ def train_one(run: str, args, data, out_dir: str) -> dict:
   steps_per_epoch = n // args.batch_size
   # Init in train mode: batch norm normalises the init batch, so each layer's scale_a starts
   # at 2 * mean|x| of the activations it will see.
-  variables = model.init(rng, jnp.asarray(x_tr[:args.batch_size]), train=True)
+  # (Jitted: one compile instead of one per initializer op.)
+  variables = jax.jit(functools.partial(model.init, train=True))(
+      rng, jnp.asarray(x_tr[:args.batch_size]))
   params, batch_stats = variables["params"], variables["batch_stats"]
   tx = make_optimizer(run, args.lr, steps_per_epoch * args.epochs, args.act_scale_lr_mult)
   opt_state = tx.init(params)
@@ -209,12 +221,13 @@ def train_one(run: str, args, data, out_dir: str) -> dict:
     return loss, (upd["batch_stats"], logits)
 
   @jax.jit
-  def train_step(params, batch_stats, opt_state, x, y):
+  def train_step(params, batch_stats, opt_state, sums, x, y):
+    """One step; ``sums`` = (loss sum, accuracy sum) of the epoch so far, kept on device."""
     (loss, (bs, logits)), g = jax.value_and_grad(loss_fn, has_aux=True)(params, batch_stats, x, y)
     updates, opt_state = tx.update(g, opt_state, params)
     params = optax.apply_updates(params, updates)
     acc = jnp.mean(jnp.argmax(logits, -1) == y)
-    return params, bs, opt_state, loss, acc
+    return params, bs, opt_state, (sums[0] + loss, sums[1] + acc)
 
   @jax.jit
   def eval_logits(params, batch_stats, x):
@@ -233,25 +246,27 @@ def train_one(run: str, args, data, out_dir: str) -> dict:
   for epoch in range(args.epochs):
     perm = np_rng.permutation(n)
     t0 = time.perf_counter()
-    losses, accs = [], []
+    # Train loss / accuracy of the epoch: the mean over all its steps, summed on device
+    # (read back once per epoch; every 50 steps for the progress bar when it is shown).
+    sums = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
     bar = tqdm(range(steps_per_epoch), desc=f"{run} epoch {epoch + 1}/{args.epochs}",
                leave=False, mininterval=2.0, disable=args.no_tqdm)
     for s in bar:
       idx = perm[s * args.batch_size:(s + 1) * args.batch_size]
-      params, batch_stats, opt_state, loss, acc = train_step(
-          params, batch_stats, opt_state, jnp.asarray(x_tr[idx]), jnp.asarray(y_tr[idx]))
-      if s % 50 == 0:
-        losses.append(float(loss)); accs.append(float(acc))
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{accs[-1]:.3f}")
+      params, batch_stats, opt_state, sums = train_step(
+          params, batch_stats, opt_state, sums, jnp.asarray(x_tr[idx]), jnp.asarray(y_tr[idx]))
+      if not args.no_tqdm and (s + 1) % 50 == 0:
+        bar.set_postfix(loss=f"{float(sums[0]) / (s + 1):.3f}",
+                        acc=f"{float(sums[1]) / (s + 1):.3f}")
     jax.block_until_ready(params)
     dt = time.perf_counter() - t0
     test_acc = evaluate(params, batch_stats)
     hist["test_acc"].append(test_acc)
-    hist["train_loss"].append(float(np.mean(losses)))
-    hist["train_acc"].append(float(np.mean(accs)))
+    hist["train_loss"].append(float(sums[0]) / steps_per_epoch)
+    hist["train_acc"].append(float(sums[1]) / steps_per_epoch)
     hist["epoch_seconds"].append(dt)
     print(f"[{run}] epoch {epoch + 1}: test acc {test_acc:.4f}  train loss "
-          f"{hist['train_loss'][-1]:.4f}  {dt:.1f}s", flush=True)
+          f"{hist['train_loss'][-1]:.4f} (epoch mean)  {dt:.1f}s", flush=True)
   variables = {"params": params, "batch_stats": batch_stats}
   with open(os.path.join(out_dir, f"{run}_params.msgpack"), "wb") as f:
     f.write(serialization.to_bytes(variables))
@@ -328,44 +343,62 @@ def plot(results: dict, path: str):
   plt.close(fig)
 
 
-def main(argv=None):
+def make_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--data_dir", default="/usr/share/datasets/fashion-mnist")
+  p.add_argument("--data-dir", default=None,
+                 help="folder of the Fashion-MNIST IDX files; if unset or without them: "
+                      f"${_data.ENV_VAR}, then {_data.SHARED_DIR}, then {_data.DEBIAN_DIR}")
   p.add_argument("--epochs", type=int, default=15)
   p.add_argument("--runs", default="float,binary,w4,w2",
-                 help="comma list of: float, binary, larq, xnor, binary_w, w8, w4, w2")
-  p.add_argument("--out_dir", default="/tmp/fashion_mnist")
-  p.add_argument("--batch_size", type=int, default=128)
+                 help="comma list of: " + ", ".join(RUN_NAMES))
+  p.add_argument("--out-dir", default=os.path.join(tempfile.gettempdir(), "qtrain_fashion_mnist"),
+                 help="where summary.json, accuracy.png and <run>_params.msgpack go "
+                      "(default: %(default)s)")
+  p.add_argument("--batch-size", type=int, default=128)
   p.add_argument("--lr", type=float, default=2e-3)
   p.add_argument("--width", type=int, default=32)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--act_scale_lr_mult", type=float, default=0.01,
+  p.add_argument("--act-scale-lr-mult", type=float, default=0.01,
                  help="learning-rate multiplier of the learned input scales (scale_a)")
-  p.add_argument("--limit_train", type=int, default=0, help="use only the first N training images")
-  p.add_argument("--freeze_implementation", default="xla",
+  p.add_argument("--limit-train", type=int, default=0, help="use only the first N training images")
+  p.add_argument("--freeze-implementation", default="xla",
                  choices=("auto", "xla", "triton", "mosaic", "interpret"),
                  help="where the frozen model's products run (qtrain.freeze)")
   p.add_argument("--api", default="qlayers", choices=("qlayers", "rules"),
                  help="qlayers: qtrain.qlayers.QConv/QDense; rules: nn.Conv/nn.Dense + "
                       "qtrain.quantize_model with the same quantization as QtRules")
-  p.add_argument("--no_tqdm", action="store_true")
-  p.add_argument("--report_only", action="store_true",
-                 help="skip training: redo the freeze report of runs saved in --out_dir")
+  p.add_argument("--no-tqdm", action="store_true")
+  p.add_argument("--report-only", action="store_true",
+                 help="skip training: redo the freeze report of runs saved in --out-dir")
+  return p
+
+
+def main(argv=None):
+  p = make_parser()
   args = p.parse_args(argv)
+  if args.epochs < 1:
+    p.error("--epochs must be at least 1")
+  runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+  if not runs or any(r not in RUN_NAMES for r in runs):
+    p.error(f"--runs {args.runs!r}: a comma list of " + ", ".join(RUN_NAMES))
+  try:
+    data_dir = _data.resolve_data_dir(args.data_dir)
+  except _data.DataNotFoundError as e:
+    sys.exit(f"{p.prog}: {e}")
+  print(f"Fashion-MNIST from {data_dir}", flush=True)
   os.makedirs(args.out_dir, exist_ok=True)
-  data_dir = _data.resolve_data_dir(args.data_dir)
-  if data_dir != args.data_dir:
-    print(f"--data_dir {args.data_dir} not found; using {data_dir}")
   x_tr, y_tr, x_te, y_te = _data.load_mnist_like(data_dir)
   if args.limit_train:
     x_tr, y_tr = x_tr[:args.limit_train], y_tr[:args.limit_train]
+  if x_tr.shape[0] < args.batch_size:
+    p.error(f"{x_tr.shape[0]} training images, fewer than --batch-size {args.batch_size}")
   data = (preprocess(x_tr), y_tr.astype(np.int32), preprocess(x_te), y_te.astype(np.int32))
   summary_path = os.path.join(args.out_dir, "summary.json")
   results = {}
   if os.path.exists(summary_path):
     with open(summary_path) as f:
       results = json.load(f).get("runs", {})
-  for run in [r.strip() for r in args.runs.split(",") if r.strip()]:
+  for run in runs:
     if args.report_only:
       results[run] = report_only(run, args, data, args.out_dir, results.get(run, {}))
     else:
@@ -376,6 +409,8 @@ def main(argv=None):
   print(json.dumps({k: {kk: v[kk] for kk in ("final_test_acc", "best_test_acc",
                                              "seconds_per_epoch_median") if kk in v}
                     for k, v in results.items()}, indent=1))
+  print(f"wrote {summary_path} and {os.path.join(args.out_dir, 'accuracy.png')}")
+  return results
 
 
 if __name__ == "__main__":

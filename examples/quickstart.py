@@ -2,7 +2,8 @@
 
 Run (CPU, no download, well under 2 minutes):
 
-    python examples/quickstart.py --steps 1000 --out-dir /tmp/qtrain_quickstart
+    python examples/quickstart.py                 # 1000 steps per run
+    python examples/quickstart.py --steps 200 --runs float,int8 --out-dir /tmp/qs
 
 Data: procedurally generated 10x10 images of the digits 0-9 (a 5x7 pixel
 font, randomly shifted, thickened and corrupted with noise), 10 classes.
@@ -17,7 +18,8 @@ Three runs, one model definition, three rule lists:
   (learned activation scale with bitorch-engine's gradient, clipped STE),
   first and last layers in int8 (the usual binary-network recipe).
 
-Prints a table and writes ``results.json`` and ``loss.png`` to ``--out-dir``.
+Prints a table and writes ``results.json`` and ``loss.png`` to ``--out-dir``
+(default ``<system temp dir>/qtrain_quickstart``, e.g. ``/tmp/qtrain_quickstart``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 import flax.linen as nn
@@ -123,7 +126,7 @@ def train(name: str, rules, data, *, steps: int, batch: int, lr: float, seed: in
   model = MLP()
   if rules:
     model = qtrain.quantize_model(model, qtrain.QtProvider(rules))
-  variables = model.init(jax.random.key(seed), xtr[:batch])
+  variables = jax.jit(model.init)(jax.random.key(seed), xtr[:batch])  # one compile, not one per op
   state = train_state.TrainState.create(apply_fn=model.apply, params=variables["params"],
                                         tx=optax.adam(lr))
   qkey = jax.random.key(seed + 1)
@@ -169,20 +172,32 @@ def train(name: str, rules, data, *, steps: int, batch: int, lr: float, seed: in
               step_ms=1e3 * t_steps / max(steps - 1, 1), summary=summary)
 
 
-def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--steps", type=int, default=1000)
+def make_parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  ap.add_argument("--steps", type=int, default=1000, help="training steps per run")
   ap.add_argument("--batch-size", type=int, default=128)
   ap.add_argument("--lr", type=float, default=3e-3)
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--out-dir", default="quickstart_out")
-  ap.add_argument("--runs", default="float,int8,binary")
+  ap.add_argument("--out-dir", default=os.path.join(tempfile.gettempdir(), "qtrain_quickstart"),
+                  help="where results.json and loss.png go")
+  ap.add_argument("--runs", default="float,int8,binary", help="comma list of: " + ", ".join(RUNS))
+  return ap
+
+
+def main(argv=None):
+  ap = make_parser()
   args = ap.parse_args(argv)
+  runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+  if not runs or any(r not in RUNS for r in runs):
+    ap.error(f"--runs {args.runs!r}: a comma list of " + ", ".join(RUNS))
+  if args.steps < 1:
+    ap.error("--steps must be at least 1")
   os.makedirs(args.out_dir, exist_ok=True)
   data = (make_digits(50000, seed=args.seed), make_digits(2000, seed=args.seed + 1000))
   results = []
   t_all = time.perf_counter()
-  for name in args.runs.split(","):
+  for name in runs:
     results.append(train(name, RUNS[name], data, steps=args.steps, batch=args.batch_size,
                          lr=args.lr, seed=args.seed, eval_every=max(args.steps // 10, 1)))
   elapsed = time.perf_counter() - t_all
@@ -216,6 +231,7 @@ def main(argv=None):
              runs=[{k: v for k, v in r.items() if k != "summary"} for r in results])
   with open(os.path.join(args.out_dir, "results.json"), "w") as f:
     json.dump(out, f, indent=1)
+  plt.close(fig)
   print(f"\nwrote {png} and {os.path.join(args.out_dir, 'results.json')}")
   return results
 

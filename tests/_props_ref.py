@@ -138,6 +138,12 @@ def element_budget(x: np.ndarray, s: np.ndarray, zp: np.ndarray | None, qt: qtyp
   return center, s * steps + slack
 
 
+def minmax_cap(qt: qtypes.QType) -> float:
+  """The largest minmax scale: -qmin steps on each side of 0 finite in float32 (the
+  calibration's contract, with its 2**-18 margin for rounding)."""
+  return float(np.finfo(np.float32).max) / -qt.qmin * (1 - 2.0 ** -18)
+
+
 def calibration_scales(x: np.ndarray, qt: qtypes.QType, cal, cw, tiles):
   """Per group of ``x`` (float64, finite where it matters): (expected scale,
   relative tolerance, zero bound) in the scale's shape, per the Calibration
@@ -183,7 +189,8 @@ def calibration_scales(x: np.ndarray, qt: qtypes.QType, cal, cw, tiles):
     lo = np.minimum(red(x, lambda v, axis, keepdims: np.min(v, axis=axis, keepdims=keepdims)), 0.0)
     hi = np.maximum(red(x, lambda v, axis, keepdims: np.max(v, axis=axis, keepdims=keepdims)), 0.0)
     span = (hi - lo) * m
-    s = np.where(span == 0, 1.0, np.maximum(span / (qt.qmax - qt.qmin), TINY32))
+    # The documented cap: 2**(bits-1) steps on each side of 0 stay finite in float32.
+    s = np.where(span == 0, 1.0, np.clip(span / (qt.qmax - qt.qmin), TINY32, minmax_cap(qt)))
     return s, np.full_like(s, gamma(4)), span == 0
   zero = bound == 0
   # The cap: the largest scale whose largest code (qmax, or -qmin where values can clip

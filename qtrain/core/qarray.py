@@ -396,8 +396,12 @@ def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | 
   # min(x, 0) / max(x, 0) / max|x| with 0 as the identity: an empty group is all zero.
   gmin = lambda v: jnp.min(v, axis=red, keepdims=True, initial=0.0)
   gmax = lambda v: jnp.max(v, axis=red, keepdims=True, initial=0.0)
+  # Which groups hold NaN/Inf, from the data: a max reduction cannot be trusted to carry a NaN
+  # (XLA's CPU reduce-max drops it in large reductions: 4200 values holding NaNs gave 1.0).
+  data_finite = jnp.all(jnp.isfinite(xs), axis=red, keepdims=True)
   if cal.method == "minmax":
-    return _calibrate_minmax(gmin(xs), gmax(xs), qt, cal.multiplier, out_shape)
+    s, zp = _calibrate_minmax(gmin(xs), gmax(xs), qt, cal.multiplier, out_shape)
+    return jnp.where(data_finite.reshape(out_shape), s, jnp.nan), zp
   ax = jnp.abs(xs)
   codes = _symmetric_codes(qt, cal)
   if cal.method == "fixed":
@@ -429,8 +433,7 @@ def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | 
     # A 0 percentile of non-zero data is a real bound of 0 (everything clips
     # to the TINY grid); only all-zero data get the exact-zero scale.
     zero = gmax(ax) == 0
-  if finite is None:
-    finite = jnp.isfinite(bound)
+  finite = data_finite if finite is None else finite & data_finite
   zero_scale = 0.0 if qt.kind == "binary" else 1.0
   scale = jnp.where(zero, zero_scale, _bound_scale(bound, cal.multiplier, qt.qmax, codes))
   return jnp.where(finite, scale, jnp.nan).reshape(out_shape), None

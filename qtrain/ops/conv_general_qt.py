@@ -133,7 +133,8 @@ def quantized_conv(lq, rq, p, out_dtype, compute_dtype=None):
     # lhs scale varies (at most) along the batch axis, rhs along the output-feature axis.
     ls = to_out(lq.scale, lhs_spec[0], out_spec[0])
     rs = to_out(rq.scale, rhs_spec[0], out_spec[1])
-    return (acc * ls * rs).astype(out_dtype)
+    # The dot's epilogue: (acc * ls) * rs, or acc * (ls * rs) where that overflows.
+    return qdot.scale_product(acc, ls, rs, grouped=False, out_dtype=out_dtype)
   dtype = operand_dtype(lq, rq, compute_dtype)
   lf, rf = _as_dtype(lq, dtype), _as_dtype(rq, dtype)
   if p["precision"] is None and dtype == jnp.float32:

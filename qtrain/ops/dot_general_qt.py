@@ -84,13 +84,15 @@ def transpose_dims(dn, x_ndim: int, y_ndim: int, *, swap_ans: bool):
 def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
   """Moves ``y``'s scale into ``g`` when it varies along the contraction.
 
-  Returns (g', y', m) or None when the scale varies jointly along contracted
+  Returns (g', y', e) or None when the scale varies jointly along contracted
   and free axes of this product (then the caller multiplies in float). ``g'``
-  is ``g`` times ``y``'s scale over ``m``, a power of two at least its largest
-  value (per batch index; shape ``(batch...)``): ``g * scale`` itself can
-  overflow float32 (a gradient of 1e25 times a scale of 1e20) where the
-  product does not, and dividing by a power of two is exact, so multiplying
-  the product by ``m`` gives the same numbers wherever nothing overflows.
+  is ``g`` times ``y``'s scale over ``2**e`` (``e``: an int32 scalar, None
+  when nothing is folded). ``g * scale`` itself can overflow float32 (a
+  gradient of 1e25 times a scale of 1e20) where the product does not: only
+  then is ``e`` > 0 (the smallest power of two keeping it finite), else 0, so
+  nothing changes (and nothing is pushed into the subnormals XLA flushes)
+  where nothing overflows. Scaling by a power of two is exact (``ldexp``,
+  which also takes 2**128): the caller's ``ldexp(product, e)`` restores it.
   """
   (gc, yk), (gb, yb) = dims
   ys = y.scale
@@ -103,17 +105,22 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
   t = jnp.transpose(ys, tuple(yb) + tuple(yk) + tuple(y_free))
   t = t.reshape(t.shape[:len(yb) + len(yk)])
   nb = len(yb)
-  top = jnp.max(jnp.abs(t), axis=tuple(range(nb, t.ndim)), keepdims=True)
-  _, e = jnp.frexp(jnp.where(jnp.isfinite(top) & (top > 0), top, 1.0))
-  m = jnp.ldexp(jnp.float32(1), e)  # a power of two >= top (scales are <= float32 max / 2)
-  t = t / m
   if swap_ans:
     s_g = t.reshape(t.shape + (1,) * nxk)
   else:
     s_g = t.reshape(t.shape[:nb] + (1,) * nxk + t.shape[nb:])
-  g2 = g.astype(jnp.float32) * s_g
+  g32 = g.astype(jnp.float32)
+  g2 = g32 * s_g
+  overflow = jnp.any(jnp.isinf(g2) & jnp.isfinite(g32) & jnp.isfinite(s_g))
+  # The smallest shift that keeps every |g * scale| / 2**e below 2**127: 2**e_t >= max scale,
+  # 2**e_g >= max |g|; a larger one would push more small terms into the flushed subnormals.
+  fin_max = lambda v: jnp.max(jnp.where(jnp.isfinite(v), jnp.abs(v), 0.0))
+  _, e_t = jnp.frexp(fin_max(t))
+  _, e_g = jnp.frexp(fin_max(g32))
+  e = jnp.where(overflow, jnp.maximum(e_t + e_g - 127, 0), 0).astype(jnp.int32)
+  g2 = jnp.where(overflow, g32 * jnp.ldexp(s_g, -e), g2)
   y2 = dataclasses.replace(y, scale=jnp.ones((1,) * y.ndim, jnp.float32))
-  return g2, y2, m.reshape(m.shape[:nb])
+  return g2, y2, e
 
 
 def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, key,
@@ -137,8 +144,8 @@ def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, k
   r = dispatch.quantized_dot_general(
       g_in, y_in, dims, preferred_element_type=out_dtype if m is None else jnp.float32,
       implementation=implementation, compute_dtype=ctype)
-  if m is not None:  # the fold's power of two, per batch index (the product's leading axes)
-    r = (r * m.reshape(m.shape + (1,) * (r.ndim - m.ndim))).astype(out_dtype)
+  if m is not None:  # the fold's power of two (0 unless g * scale overflowed)
+    r = jnp.ldexp(r, m).astype(out_dtype)
   return jnp.transpose(r, perm).reshape(x_shape)
 
 

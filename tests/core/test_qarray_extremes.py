@@ -282,3 +282,21 @@ def test_absmax_of_float32_max_comes_back_finite_and_exact(qtype):
   deq = np.asarray(qarray.fake_quantize(x, qarray.QuantizeSpec(qtype=qtype)))
   assert np.all(np.isfinite(deq))
   np.testing.assert_allclose(deq, np.asarray(x), rtol=2.0 ** -20)
+
+
+@pytest.mark.parametrize("method", [m for m in qarray.CALIBRATION_METHODS if m != "fixed"])
+@pytest.mark.parametrize("size", [7, 4200, 65536])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nonfinite_value_in_a_large_group_makes_its_group_nan(method, size, bad):
+  """A max reduction does not carry NaN reliably (XLA's CPU reduce-max dropped it from 4200
+  values): the group's NaN scale must come from the data, at any group size."""
+  qt = "int8"
+  x = np.random.default_rng(size).standard_normal((2, size)).astype(np.float32)
+  x[0, size // 3] = bad
+  cal = (qarray.Calibration(method=method, percentile=99.0) if method == "percentile"
+         else qarray.Calibration(method=method))
+  spec = qarray.QuantizeSpec(qtype=qt, channelwise_axes=(0,), calibration=cal)
+  q = jax.jit(lambda v: qarray.quantize(v, spec))(jnp.asarray(x))
+  deq = np.asarray(qarray.dequantize(q))
+  assert np.isnan(np.asarray(q.scale)[0]).all() and np.isnan(deq[0]).all()
+  assert np.isfinite(np.asarray(q.scale)[1]).all() and np.isfinite(deq[1]).all()

@@ -327,6 +327,11 @@ def check_backward(case: ConvCase) -> None:
     return vjp(g), (None if lspec is None else qarray.quantize(x, lspec),
                     None if rspec is None else qarray.quantize(w, rspec))
 
+  if _path(case) is None and jnp.dtype(case.ldtype) != jnp.dtype(case.rdtype):
+    # No quantization: the op is lax.conv_general_dilated, which takes no mixed dtypes.
+    with pytest.raises(TypeError):
+      run(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g), key)
+    return
   (lbar, rbar), (ql, qr) = run(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g), key)
   a, sa = _side(x, case.lq, ql, lspec, case.ldtype)
   b, sb = _side(w, case.rq, qr, rspec, case.rdtype)

@@ -436,7 +436,7 @@ def backward_bound(case, g, x: Side, y: Side, gq, which: str):
   g_letters = os_
   y_free_letters = {ys[a] for a in yfree}
   g_red_axes = tuple(i for i, ch in enumerate(g_letters) if ch in y_free_letters)
-  beyond_c = 0.0
+  beyond_c, abs_in = 0.0, 0.0
   if gq is None:
     P = bar(np.abs(g64), _finite_abs(y.val))
     rel_in = R.unit_roundoff(c) if y.oq is not None else 0.0
@@ -444,6 +444,8 @@ def backward_bound(case, g, x: Side, y: Side, gq, which: str):
     quant = 0.0
     if y.oq is not None:  # a grid value past c's range is Inf in c (the documented policy)
       beyond_c = bar(np.ones_like(g64), (_finite_abs(y.val) >= R.overflow_threshold(c)) * 1.0)
+      if c == jnp.float16:  # float16 keeps subnormals: half a subnormal step per element
+        abs_in = R.flush(c) * bar(np.abs(g64), np.ones_like(y.val))
   else:
     yv = y.val
     gp = g64
@@ -475,7 +477,7 @@ def backward_bound(case, g, x: Side, y: Side, gq, which: str):
     rel_in = 2 * R.unit_roundoff(c) + R.unit_roundoff(c) ** 2
     k = n_bwd + EPILOGUE_ROUNDINGS
   u_x = R.unit_roundoff(x.dtype)
-  acc = quant + (rel_in + R.gamma(k) * (1 + rel_in)) * P + (k + 1) * R.TINY32
+  acc = quant + (rel_in + R.gamma(k) * (1 + rel_in)) * P + (k + 1) * R.TINY32 + abs_in
   budget = (1 + u_x) * acc + u_x * np.abs(ref) + R.flush(x.dtype) + 2 * n_bwd * R.U64 * P
   may_overflow = (P * (1 + rel_in) * (1 + R.gamma(k)) >= R.overflow_threshold(jnp.float32)) | (
       np.abs(ref) + budget >= R.overflow_threshold(x.dtype)) | (beyond_c > 0)
@@ -499,8 +501,12 @@ def clip_mask(x: Side):
     dist = np.abs(y) - qt.qmax
   tol = 4 * R.U32 * (np.abs(y) + 1)
   if oq.calibration.method == "absmax" and oq.calibration.multiplier >= 1:
-    z = np.zeros(x.x.shape, bool)  # every element is inside the range it defines
-    return z, z
+    # Every element is inside the range it defines, unless the scale was capped (the range
+    # times the multiplier beyond float32): then the general test below applies.
+    capped = np.abs(x.x) > x.s_full * qt.qmax * (1 + 16 * R.U32)
+    if not capped.any():
+      z = np.zeros(x.x.shape, bool)
+      return z, z
   return dist > tol, np.abs(dist) <= tol
 
 
