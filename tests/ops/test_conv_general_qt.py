@@ -334,6 +334,22 @@ def test_bad_conv_configs_raise():
                     config=_cfg(None, OQ(qtype="int8")), lhs_scale=jnp.ones(()))
 
 
+@pytest.mark.parametrize("impl", ["triton", "mosaic", "interpret"])
+def test_forced_backend_without_a_conv_kernel_raises(impl):
+  """implementation is honoured: a backend with no convolution says so, it is not ignored."""
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 5, 5, 2)), jnp.float32)
+  w = jnp.asarray(np.random.default_rng(1).standard_normal((3, 3, 2, 4)), jnp.float32)
+  cfg = C.ConvGeneralQtConfig(lhs=OQ(qtype="int8"), rhs=OQ(qtype="int8"), implementation=impl)
+  with pytest.raises(ValueError, match=rf"implementation='{impl}': qtrain has no {impl} "
+                                       r"convolution kernel.*'xla' or 'auto'"):
+    conv_general_qt(x, w, (1, 1), "SAME", dimension_numbers=NHWC, config=cfg)
+  # "xla" and "auto" run it, with the same numbers (on the CPU both are XLA's convolution).
+  outs = [conv_general_qt(x, w, (1, 1), "SAME", dimension_numbers=NHWC,
+                          config=dataclasses.replace(cfg, implementation=i)) for i in ("xla", "auto")]
+  np.testing.assert_array_equal(outs[0], outs[1])
+  assert np.all(np.isfinite(np.asarray(outs[0])))
+
+
 def test_preferred_element_type_and_grad_dtypes():
   case = "nhwc_same_int8"
   layout, xs, ws, *_, lq, rq = CASES[case]
