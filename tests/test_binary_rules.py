@@ -40,6 +40,7 @@ def _to_provider_names(params):
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["bitorch", "xnor", "w4"])
 def test_rules_match_qlayers(preset):
   lq = binary.mpq(bits=4, group_size=32) if preset == "w4" else binary.get_preset(preset)

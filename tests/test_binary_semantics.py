@@ -35,6 +35,7 @@ def _grads(layer, params, x, g):
   return jax.grad(f, (0, 1))(params, x)
 
 
+@pytest.mark.slow
 def test_bitorch_dense_forward_and_backward_match_formulas():
   k, n, m = 96, 24, 16
   x = jax.random.normal(jax.random.key(0), (m, k)) * 1.5
@@ -69,6 +70,7 @@ def test_bitorch_asymmetric_init_and_no_act():
   np.testing.assert_allclose(lw.apply({"params": pw}, x), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_larq_ste_sign_forward_and_clipped_gradients():
   x = jax.random.normal(jax.random.key(0), (16, 64)) * 1.5
   layer = qlayers.QDense(8, quant=binary.larq(), use_bias=False)
@@ -120,6 +122,7 @@ def test_mpq_forward_is_minmax_groupwise(bits, group):
   np.testing.assert_allclose(gp["kernel"], x.T @ g, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["bitorch", "larq", "w4ch"])
 def test_conv_1x1_equals_dense(preset):
   lq = binary.mpq(bits=4, group_size=None) if preset == "w4ch" else binary.get_preset(preset)

@@ -27,6 +27,7 @@ def _examples(name: str) -> int:
   return sum(len(t.examples) for t in finder.find(importlib.import_module(name)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples_run(name):
   mod = importlib.import_module(name)

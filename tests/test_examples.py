@@ -104,6 +104,7 @@ def _run_quickstart(tmp_path, runs: list[str]):
   _assert_png(out / "loss.png")
 
 
+@pytest.mark.slow
 def test_quickstart_smoke(tmp_path):
   _run_quickstart(tmp_path, ["float"])
 

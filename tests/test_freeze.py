@@ -53,6 +53,7 @@ def _trained_like(model, x):
 CASES = [(n, "xla") for n in sorted(PRESETS)] + [("bitorch", "interpret"), ("w4", "interpret")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,impl", CASES)
 def test_frozen_model_logits_equal_quantized_forward(name, impl):
   lq, dlq = PRESETS[name]
@@ -143,6 +144,7 @@ _needs_mosaic_gpu = pytest.mark.skipif(
     reason="needs a GPU and jax >= 0.11 (Pallas Mosaic GPU)")
 
 
+@pytest.mark.slow
 def test_mosaic_implementation_says_what_it_cannot_run():
   fl, x = _frozen_dense(binary.bitorch())  # binary activations: the int8-activation path
   if jax.default_backend() != "gpu":
@@ -302,6 +304,7 @@ def _leaf(tree, path):
   return tree
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rules", LINEN_RULES)
 def test_linen_transformer_frozen_equals_qt_forward(rules):
   x = jax.random.normal(jax.random.key(0), (B, T, D))
@@ -325,6 +328,7 @@ def test_linen_transformer_frozen_equals_qt_forward(rules):
   assert freeze.layer_sizes(frozen, v)["__model__"]["ratio"] > 1.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rules", RULES)
 def test_nnx_model_frozen_equals_qt_forward(rules):
   x = jax.random.normal(jax.random.key(0), (B, T, D))
@@ -381,6 +385,7 @@ class Custom(nn.Module):
     return z.astype(jnp.float32)
 
 
+@pytest.mark.slow
 def test_custom_module_weight_as_lhs_and_cast_weight():
   x = jax.random.normal(jax.random.key(0), (B, 48))
   provider = qtrain.QtProvider([qtrain.QtRule(module_path=".*", weight_qtype="int4",
@@ -473,6 +478,7 @@ def test_fp8_weights_cannot_be_frozen():
     freeze.freeze(v, {"": lq})
 
 
+@pytest.mark.slow
 def test_freeze_errors_name_the_problem():
   x = jax.random.normal(jax.random.key(0), (B, T, D))
   model = nn.MultiHeadDotProductAttention(num_heads=2)

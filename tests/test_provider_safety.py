@@ -160,6 +160,7 @@ def test_patches_restored_after_exception():
   assert not _intercept.installed()
 
 
+@pytest.mark.slow
 def test_threads_float_and_quantized_concurrently():
   dense = nn.Sequential([nn.Dense(32), nn.relu, nn.Dense(8)])
   qm = qtrain.quantize_model(dense, qtrain.QtProvider(RULES))

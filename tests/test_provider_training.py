@@ -1,5 +1,6 @@
 """Training end to end: int8 QT vs float on a small task (linen and nnx); orbax resume."""
 
+import pytest
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,7 @@ def _assert_tracks(lf, lq, steps):
   assert not np.array_equal(lf, lq)                  # ... and it really was quantized
 
 
+@pytest.mark.slow
 def test_linen_int8_training_tracks_float():
   # Measured (CPU): step 50: 0.2424 float vs 0.2422 int8; step 300: 0.00122 vs 0.00123.
   lf = np.asarray(_train_linen(MLP()))
@@ -101,6 +103,7 @@ def _train_nnx(quantize, steps=200):
   return np.array([float(step(m, opt)) for _ in range(steps)])
 
 
+@pytest.mark.slow
 def test_nnx_int8_training_tracks_float():
   # Measured (CPU): step 50: 0.2933 float vs 0.2932 int8; step 200: 0.00425 vs 0.00426.
   lf, lq = _train_nnx(False), _train_nnx(True)
@@ -122,6 +125,7 @@ class TrainState(train_state.TrainState):
   quant_stats: dict
 
 
+@pytest.mark.slow
 def test_linen_orbax_resume_same_trajectory(tmp_path):
   x, y = _data(n=64)
   qm = qtrain.quantize_model(MLP(), qtrain.QtProvider(STATEFUL_RULES))
@@ -167,6 +171,7 @@ def test_linen_orbax_resume_same_trajectory(tmp_path):
   assert resumed == straight
 
 
+@pytest.mark.slow
 def test_nnx_orbax_resume_same_trajectory(tmp_path):
   x, y = _data(n=64)
 

@@ -189,6 +189,7 @@ def _spec(qtype, method="absmax", **kw):
 @hypothesis.example(case=("float32", (64,), S.Values(mode="huge"), _spec("int8", "minmax")))
 @hypothesis.example(case=("float32", (4,), S.Values(mode="tiny"), _spec("int8")))
 # Item 14: binary with a fixed bound on an all-zero group (sign(0) = +1).
+@pytest.mark.slow
 @hypothesis.example(case=("float32", (4,), S.Values(zeros=1.0), _spec("binary", "fixed", bound=1.0)))
 def test_quantize_contract(case):
   check_quantize(*case)

@@ -55,6 +55,7 @@ class TestLayers:
     want = ops.dot_general_qt(X, p["kernel"], DN, _cfg(a=None, w="int4", tile=8)) + p["bias"]
     np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
 
+  @pytest.mark.slow
   def test_square_dense_on_square_input(self):
     # qwix scar #2: Dense(64) on a (64, 64) input. The kernel is known by convention.
     x = jax.random.normal(jax.random.key(2), (64, 64))
@@ -118,6 +119,7 @@ class TestLayers:
     assert all(r.status == "quantized" and r.weight_operand == "rhs" for r in recs.values())
     assert all(bool(jnp.all(jnp.isfinite(l))) for l in jax.tree.leaves(g))
 
+  @pytest.mark.slow
   def test_conv_is_core_conv_general_qt(self):
     x = jax.random.normal(jax.random.key(5), (2, 6, 6, 3))
     qm = qtrain.quantize_model(nn.Conv(4, (3, 3), use_bias=False), _rules(**W8A8))
@@ -186,6 +188,7 @@ class Block(nn.Module):
 
 class TestTransforms:
 
+  @pytest.mark.slow
   def test_vmap_matches_batched(self):
     # Per-row activation scales: a vmapped apply equals the batched apply.
     qm = qtrain.quantize_model(nn.Dense(16), _rules(**W8A8))
@@ -194,6 +197,7 @@ class TestTransforms:
     yv = jax.vmap(lambda x: qm.apply(v, x[None])[0])(X)
     np.testing.assert_allclose(yv, yb, rtol=1e-5, atol=1e-5)
 
+  @pytest.mark.slow
   def test_scan_stacked_layers_equal_unrolled(self):
     class Scanned(nn.Module):
       @nn.compact
@@ -217,6 +221,7 @@ class TestTransforms:
     g = jax.jit(jax.grad(lambda v: qm.apply(v, X).sum()))(v)
     assert g["params"]["blocks"]["Dense_1"]["kernel"].shape == (3, 32, 16)
 
+  @pytest.mark.slow
   def test_remat_equal_to_plain(self):
     class User(nn.Module):  # direct lax.dot_general inside a remat-ed module
       @nn.compact
@@ -327,6 +332,7 @@ class TestState:
     want = ops.dot_general_qt(X, p["kernel"], DN, _cfg(), lhs_scale=per_tensor) + p["bias"]
     np.testing.assert_allclose(qm.apply(v, X), want, rtol=1e-5, atol=1e-5)
 
+  @pytest.mark.slow
   @pytest.mark.parametrize("qtype, grad", [("int8", "lsq"), ("binary", "bitorch")])
   def test_learnable_scale_and_shift_are_trained(self, qtype, grad):
     qm = qtrain.quantize_model(nn.Dense(8), _rules(

@@ -39,6 +39,7 @@ class TestLayers:
     want = ops.dot_general_qt(X, m.kernel[...], DN, _cfg()) + m.bias[...]
     np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
 
+  @pytest.mark.slow
   def test_square_linear_on_square_input(self):
     x = jax.random.normal(jax.random.key(2), (64, 64))
     m = qtrain.quantize_model(nnx.Linear(64, 64, use_bias=False, rngs=nnx.Rngs(0)),
@@ -74,6 +75,7 @@ class TestLayers:
     assert y.dtype == jnp.bfloat16 and g.kernel[...].dtype == jnp.float32
     assert _rel(y.astype(jnp.float32), yf.astype(jnp.float32)) < 0.05
 
+  @pytest.mark.slow
   def test_mha_projections(self):
     x = jax.random.normal(jax.random.key(6), (2, 5, 16))
     p = _rules(**W8A8)
@@ -160,6 +162,7 @@ class Block(nnx.Module):
 
 class TestTransforms:
 
+  @pytest.mark.slow
   def test_scan_stacked_layers_equal_unrolled(self):
     @nnx.split_rngs(splits=3)
     @nnx.vmap(in_axes=(0,), out_axes=0)

@@ -86,6 +86,7 @@ def _check_scan_equals_loop(stack):
 
 class TestStochasticRounding:
 
+  @pytest.mark.slow
   def test_vmap_created_stack_run_by_scan(self):
     stack = _vmap_stack()
     qtrain.quantize_model(stack, _provider(**SR), rngs=nnx.Rngs(quant=7))

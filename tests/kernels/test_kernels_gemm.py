@@ -174,6 +174,7 @@ def _w8a8_qt_case(m, k, n, *, seed, w_std, sr, implementation):
   return x, w, ct, cfg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("given_scale", [False, True])
 def test_backward_products_in_the_operand_dtype_give_the_same_gradients(monkeypatch, given_scale):
   # The QT backward writes each product in its operand's dtype (bf16 here)

@@ -438,6 +438,7 @@ def test_plan_mosaic_canonicalises_a_qarray():
       np.max(np.abs(want)))
 
 
+@pytest.mark.slow
 def test_plan_mosaic_takes_int8_activation_qarrays():
   # Symmetric integer activations (binary included) reach the kernel as int8
   # codes with a per-row scale; other quantized activations are refused.

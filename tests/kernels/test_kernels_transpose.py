@@ -60,6 +60,7 @@ def test_transpose_rejects_a_bad_perm():
     tp.transpose_batched(_int8((1, 64, 100), 0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dn,ls,rs", [
     ((((0,), (0,)), ((), ())), (128, 64), (128, 192)),  # drhs-like: K major on both sides
     ((((1,), (0,)), ((), ())), (64, 128), (128, 192)),  # forward x @ w: w K-major

@@ -47,6 +47,7 @@ def test_plane_layout_roundtrip(qtype, lo, hi):
   np.testing.assert_array_equal(from_packed, words)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m,k,n,act,config,kn", [
     (6, 90, 20, "int8", NOBYTE, False),
     (17, 100, 33, "int8", SPLIT, True),
@@ -71,6 +72,7 @@ def test_binary_matmul(m, k, n, act, config, kn):
     assert _rel(out, ref) < FLOAT_BUDGET
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,config", [("mma", SMALL), ("mma", FLAT_SPLIT), ("mma", NOBYTE),
                                            ("popcount", SMALL)])
 def test_binary_x_binary(method, config):

@@ -350,6 +350,7 @@ def test_forced_backend_without_a_conv_kernel_raises(impl):
   assert np.all(np.isfinite(np.asarray(outs[0])))
 
 
+@pytest.mark.slow
 def test_preferred_element_type_and_grad_dtypes():
   case = "nhwc_same_int8"
   layout, xs, ws, *_, lq, rq = CASES[case]

@@ -262,6 +262,7 @@ _NHWC = S.ConvLayout(lhs_shape=(2, 5, 5, 3), rhs_shape=(3, 3, 3, 4),
 @hypothesis.settings(FAST, max_examples=20)
 @hypothesis.given(case=conv_cases())
 # Issue 16 item 2: weight-only int8 on a bf16 convolution, and e5m2 x e4m3fn.
+@pytest.mark.slow
 @hypothesis.example(case=ConvCase(layout=_NHWC, ldtype="bfloat16", rdtype="bfloat16",
                                   lv=S.Values(), rv=S.Values(seed=1), lq=None,
                                   rq=C.OperandQuant(qtype="int8"), preferred=None))
@@ -273,6 +274,7 @@ def test_conv_general_qt_forward(case):
   check_forward(case)
 
 
+@pytest.mark.slow
 @hypothesis.settings(FAST, max_examples=10)
 @hypothesis.given(case=conv_cases(force_nonfinite=True))
 def test_conv_general_qt_forward_nonfinite(case):
@@ -389,6 +391,7 @@ def check_backward(case: ConvCase) -> None:
                    what=f"conv {which}_bar vs float64 vjp ({gq})")
 
 
+@pytest.mark.slow
 @hypothesis.settings(FAST, max_examples=15)
 @hypothesis.given(case=conv_cases(grads=True, nonfinite=False))
 def test_conv_general_qt_gradients(case):

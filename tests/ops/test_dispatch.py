@@ -42,6 +42,7 @@ W = jax.random.normal(jax.random.key(1), (128, 40), jnp.float32)
 DENSE_DN = (((2,), (0,)), ((), ()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wq,tiles,lq", [
     ("binary", None, "binary"),
     ("int8", None, "int8"),
@@ -65,6 +66,7 @@ def test_float_activation_paths_match_xla(wq, tiles):
   assert _rel(a, b) < FLOAT_BUDGET
 
 
+@pytest.mark.slow
 def test_zero_points_and_transposed_weights():
   # weights stored (N, K) (contracting dim 1), asymmetric group-wise.
   w = _quant(W.T, "int4", (0,), {1: 32}, calibration="minmax")
@@ -74,6 +76,7 @@ def test_zero_points_and_transposed_weights():
   assert _rel(a, b) < INT_EXACT
 
 
+@pytest.mark.slow
 def test_multiple_contracting_dims():
   x = jax.random.normal(jax.random.key(2), (6, 4, 32), jnp.float32)
   w = jax.random.normal(jax.random.key(3), (4, 32, 24), jnp.float32)
@@ -103,7 +106,7 @@ def test_jit_and_prepared_weight():
 
 def test_unsupported_configs_raise():
   w8 = _quant(W, "int8", (1,))
-  with pytest.raises(ValueError, match="valid implementations"):
+  with pytest.raises(ValueError, match=r"implementation=.*; valid: \[.auto., .xla., .triton., .mosaic., .interpret.\]"):
     dispatch.quantized_dot_general(X, w8, DENSE_DN, preferred_element_type=jnp.float32,
                                    implementation="cuda")
   with pytest.raises(ValueError, match="batch dimensions"):
@@ -166,6 +169,7 @@ _SHARD_MAP_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_dispatch_inside_shard_map_on_4_fake_devices():
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -174,6 +178,7 @@ def test_dispatch_inside_shard_map_on_4_fake_devices():
   assert r.returncode == 0 and "SHARD_MAP_OK" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_auto_table_decisions():
   """'auto' picks the int8 kernel only for (N, K)-stored int8 weights at M <= 16."""
   w_nk = _quant(jax.random.normal(jax.random.key(6), (128, 256)), "int8", (0,))  # (N, K)

@@ -221,6 +221,7 @@ def test_forward_vs_float64(name, layout):
     assert np.max(err) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lhs_order", ["ab", "ba"])
 def test_tile_spans_the_whole_contraction_of_several_axes(lhs_order):
   # 'mab,abn' contracts (a, b) = (4, 32): a 64 tile spans two a's. The contraction is flattened
@@ -404,6 +405,7 @@ def test_quantized_backward_any_layout_within_budget(name, layout):
     assert 0 < rel <= tol, rel
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_grads_need_key_and_are_unbiased():
   dn, ls, rs = LAYOUTS["mk,kn"]
   lq, rq = CONFIGS["w8a8"]
@@ -478,6 +480,7 @@ def test_jaxpr_quantized_dots_read_gemm_layout(layout, qtype):
     assert tuple(rc) == tuple(range(nr - len(rc), nr)), str(e)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_gemm_layout_leaves_gradients_unchanged(layout):
   # Storing residuals transposed and quantizing gradients in GEMM layout must give the

@@ -368,12 +368,14 @@ def _case(layout, lq, rq, ldt="float32", rdt="float32", lv=S.Values(), rv=S.Valu
                                OQ(qtype="int8"), OQ(qtype="int8"), lv=S.Values(mode="huge"),
                                rv=S.Values(mode="tensor", exponent=-30)))
 # Item 6: an empty batch (M = 0) with implementation="auto".
+@pytest.mark.slow
 @hypothesis.example(case=_case(S.DotLayout(lhs_shape=(0, 8), rhs_shape=(8, 4), dn=_MK.dn),
                                OQ(qtype="int8"), OQ(qtype="int8")))
 def test_dot_general_qt_forward(case):
   check_forward(case)
 
 
+@pytest.mark.slow
 @hypothesis.settings(FAST, max_examples=15)
 @hypothesis.given(case=dot_cases(force_nonfinite=True))
 def test_dot_general_qt_forward_nonfinite(case):
@@ -385,6 +387,7 @@ def test_dot_general_qt_forward_nonfinite(case):
 @hypothesis.given(case=dot_cases(one_float=True))
 # Issue 16 item 3: a bf16 float lhs (6, 9) contracting axis 0 with a quantized
 # bf16 rhs (5, 6, 3) (UNIMPLEMENTED BF16 x BF16 = F32 on the CPU).
+@pytest.mark.slow
 @hypothesis.example(case=_case(S.DotLayout(lhs_shape=(6, 9), rhs_shape=(5, 6, 3),
                                            dn=(((0,), (1,)), ((), ()))),
                                None, OQ(qtype="int8"), ldt="bfloat16", rdt="bfloat16"))
@@ -548,6 +551,7 @@ def check_backward(case: DotCase) -> None:
                    what=f"{which}_bar vs float64 (g . deq(other), {gq})")
 
 
+@pytest.mark.slow
 @hypothesis.settings(FAST, max_examples=25)
 @hypothesis.given(case=dot_cases(grads=True, nonfinite=False))
 def test_dot_general_qt_gradients(case):
@@ -558,6 +562,7 @@ def test_dot_general_qt_gradients(case):
 @hypothesis.given(case=dot_cases(grads=True, nonfinite=False, clipped_absmax=True))
 # Issue 16 item 1: 0.3 / (0.3 / 127) is 127.00001 in float32; the gradient of
 # 0.3 must pass (grad [[2, 2, 2]], not [[2, 2, 0]]).
+@pytest.mark.slow
 @hypothesis.example(case=_case(S.DotLayout(lhs_shape=(1, 3), rhs_shape=(3, 1), dn=_MK.dn),
                                OQ(qtype="int8", estimator="clipped_ste"), None,
                                lv=S.Values(explicit=(0.15, -0.075, 0.3)),
