@@ -86,8 +86,9 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
 
   Returns (g', y', e) or None when the scale varies jointly along contracted
   and free axes of this product (then the caller multiplies in float). ``g'``
-  is ``g`` times ``y``'s scale over ``2**e`` (``e``: an int32 scalar, None
-  when nothing is folded). ``g * scale`` itself can overflow float32 (a
+  is ``g`` times ``y``'s scale over ``2**e`` (``e``: int32, one per index
+  of g's kept axes, the product's leading output axes; None when nothing
+  is folded). ``g * scale`` itself can overflow float32 (a
   gradient of 1e25 times a scale of 1e20) where the product does not: only
   then is ``e`` > 0 (the smallest power of two keeping it finite), else 0, so
   nothing changes (and nothing is pushed into the subnormals XLA flushes)
@@ -111,16 +112,19 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
     s_g = t.reshape(t.shape[:nb] + (1,) * nxk + t.shape[nb:])
   g32 = g.astype(jnp.float32)
   g2 = g32 * s_g
-  overflow = jnp.any(jnp.isinf(g2) & jnp.isfinite(g32) & jnp.isfinite(s_g))
-  # The smallest shift that keeps every |g * scale| / 2**e below 2**127: 2**e_t >= max scale,
-  # 2**e_g >= max |g|; a larger one would push more small terms into the flushed subnormals.
-  fin_max = lambda v: jnp.max(jnp.where(jnp.isfinite(v), jnp.abs(v), 0.0))
-  _, e_t = jnp.frexp(fin_max(t))
+  # Per quantization group of g' (one per index of its kept axes: all but gc, the product's
+  # output axes in order), the smallest shift that keeps every |g * scale| / 2**e below
+  # 2**127. A power of two per group leaves the group's codes unchanged and is undone exactly
+  # on the product; a larger or shared one would flush small terms into subnormals.
+  gc = tuple(gc)
+  fin_max = lambda v: jnp.max(jnp.where(jnp.isfinite(v), jnp.abs(v), 0.0), axis=gc, keepdims=True)
+  overflow = jnp.any(jnp.isinf(g2) & jnp.isfinite(g32) & jnp.isfinite(s_g), axis=gc, keepdims=True)
+  _, e_t = jnp.frexp(fin_max(jnp.broadcast_to(s_g, g2.shape)))
   _, e_g = jnp.frexp(fin_max(g32))
   e = jnp.where(overflow, jnp.maximum(e_t + e_g - 127, 0), 0).astype(jnp.int32)
   g2 = jnp.where(overflow, g32 * jnp.ldexp(s_g, -e), g2)
   y2 = dataclasses.replace(y, scale=jnp.ones((1,) * y.ndim, jnp.float32))
-  return g2, y2, e
+  return g2, y2, jnp.squeeze(e, axis=gc)
 
 
 def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, key,
@@ -144,8 +148,8 @@ def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, k
   r = dispatch.quantized_dot_general(
       g_in, y_in, dims, preferred_element_type=out_dtype if m is None else jnp.float32,
       implementation=implementation, compute_dtype=ctype)
-  if m is not None:  # the fold's power of two (0 unless g * scale overflowed)
-    r = jnp.ldexp(r, m).astype(out_dtype)
+  if m is not None:  # the fold's powers of two (0 unless g * scale overflowed), per output row
+    r = jnp.ldexp(r, m.reshape(m.shape + (1,) * (r.ndim - m.ndim))).astype(out_dtype)
   return jnp.transpose(r, perm).reshape(x_shape)
 
 

@@ -504,7 +504,8 @@ def test_gemm_layout_leaves_gradients_unchanged(layout):
     ref = jax.lax.dot_general(np.asarray(qarray.dequantize(gq), np.float64),
                               np.asarray(qarray.dequantize(y2), np.float64), dims)
     if m is not None:  # the fold's power of two per batch index
-      ref = np.ldexp(np.asarray(ref), int(m))
+      e = np.asarray(m)
+      ref = np.ldexp(np.asarray(ref), e.reshape(e.shape + (1,) * (np.ndim(ref) - e.ndim)))
     ref = np.transpose(np.asarray(ref), perm).reshape(shape)
     np.testing.assert_allclose(np.asarray(x_bar, np.float64), ref, rtol=1e-5,
                                atol=1e-5 * np.abs(ref).max())
