@@ -84,47 +84,42 @@ def transpose_dims(dn, x_ndim: int, y_ndim: int, *, swap_ans: bool):
 def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
   """Moves ``y``'s scale into ``g`` when it varies along the contraction.
 
-  Returns (g', y', e) or None when the scale varies jointly along contracted
-  and free axes of this product (then the caller multiplies in float). ``g'``
-  is ``g`` times ``y``'s scale over ``2**e`` (``e``: int32, one per index
-  of g's kept axes, the product's leading output axes; None when nothing
-  is folded). ``g * scale`` itself can overflow float32 (a
-  gradient of 1e25 times a scale of 1e20) where the product does not: only
-  then is ``e`` > 0 (the smallest power of two keeping it finite), else 0, so
-  nothing changes (and nothing is pushed into the subnormals XLA flushes)
-  where nothing overflows. Scaling by a power of two is exact (``ldexp``,
-  which also takes 2**128): the caller's ``ldexp(product, e)`` restores it.
+  Returns (g', y') or None when the scale varies jointly along contracted and
+  free axes of this product (then the caller multiplies in float).
+
+  ``g * scale`` can overflow float32 where the product does not (a gradient
+  of 1e25 times a scale of 1e20). So per batch index the scale is divided by
+  ``2**e``, the power of two that brings its largest value into [1, 2) (none
+  where it is below 2), and ``y'`` keeps ``2**e`` as its scale: the product's
+  epilogue multiplies it back. Powers of two are exact, so the numbers are
+  those of ``g * scale`` wherever that is finite; no pass over ``g`` is added
+  (the shift is computed on the scale alone).
   """
   (gc, yk), (gb, yb) = dims
   ys = y.scale
   y_free = [a for a in range(y.ndim) if a not in yk and a not in yb]
   varies = lambda axes: any(ys.shape[a] != 1 for a in axes)
   if not varies(yk):
-    return g, y, None
+    return g, y
   if varies(y_free):
     return None
   t = jnp.transpose(ys, tuple(yb) + tuple(yk) + tuple(y_free))
   t = t.reshape(t.shape[:len(yb) + len(yk)])
   nb = len(yb)
+  top = jnp.max(jnp.where(jnp.isfinite(t), t, 0.0), axis=tuple(range(nb, t.ndim)), keepdims=True)
+  _, e = jnp.frexp(top)  # 2**(e - 1) <= top < 2**e
+  e = jnp.clip(e - 1, 0, 127)  # 2**127 is float32's largest power of two
+  t = jnp.ldexp(t, -e)
   if swap_ans:
     s_g = t.reshape(t.shape + (1,) * nxk)
   else:
     s_g = t.reshape(t.shape[:nb] + (1,) * nxk + t.shape[nb:])
-  g32 = g.astype(jnp.float32)
-  g2 = g32 * s_g
-  # Per quantization group of g' (one per index of its kept axes: all but gc, the product's
-  # output axes in order), the smallest shift that keeps every |g * scale| / 2**e below
-  # 2**127. A power of two per group leaves the group's codes unchanged and is undone exactly
-  # on the product; a larger or shared one would flush small terms into subnormals.
-  gc = tuple(gc)
-  fin_max = lambda v: jnp.max(jnp.where(jnp.isfinite(v), jnp.abs(v), 0.0), axis=gc, keepdims=True)
-  overflow = jnp.any(jnp.isinf(g2) & jnp.isfinite(g32) & jnp.isfinite(s_g), axis=gc, keepdims=True)
-  _, e_t = jnp.frexp(fin_max(jnp.broadcast_to(s_g, g2.shape)))
-  _, e_g = jnp.frexp(fin_max(g32))
-  e = jnp.where(overflow, jnp.maximum(e_t + e_g - 127, 0), 0).astype(jnp.int32)
-  g2 = jnp.where(overflow, g32 * jnp.ldexp(s_g, -e), g2)
-  y2 = dataclasses.replace(y, scale=jnp.ones((1,) * y.ndim, jnp.float32))
-  return g2, y2, jnp.squeeze(e, axis=gc)
+  g2 = g.astype(jnp.float32) * s_g
+  shape = [1] * y.ndim  # 2**e along y's batch axes
+  for a, n in zip(yb, e.shape[:nb]):
+    shape[a] = n
+  y2 = dataclasses.replace(y, scale=jnp.ldexp(jnp.ones((), jnp.float32), e).reshape(shape))
+  return g2, y2
 
 
 def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, key,
@@ -136,20 +131,17 @@ def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, k
   a product with a float side runs in ``promote_types(g.dtype, y_dtype)``."""
 
   dims, perm, g_free = transpose_dims(dn_x_first, x_ndim, y_res.ndim, swap_ans=swap_ans)
-  g_in, y_in, m = g, y_res, None
+  g_in, y_in = g, y_res
   if gq is not None:
     if qdot.is_quantized(y_res):
       x_kept = len(qdot.free_axes(x_ndim, dn_x_first[0][0], dn_x_first[1][0]))
       folded = _fold_scale(g, y_res, dims, swap_ans, x_kept)
       if folded is not None:
-        g_in, y_in, m = folded
+        g_in, y_in = folded
     g_in = quantize_grad(g_in, gq, g_free, key)
   ctype = compute_dtype(g.dtype, y_dtype if y_dtype is not None else jnp.float32)
-  r = dispatch.quantized_dot_general(
-      g_in, y_in, dims, preferred_element_type=out_dtype if m is None else jnp.float32,
-      implementation=implementation, compute_dtype=ctype)
-  if m is not None:  # the fold's powers of two (0 unless g * scale overflowed), per output row
-    r = jnp.ldexp(r, m.reshape(m.shape + (1,) * (r.ndim - m.ndim))).astype(out_dtype)
+  r = dispatch.quantized_dot_general(g_in, y_in, dims, preferred_element_type=out_dtype,
+                                     implementation=implementation, compute_dtype=ctype)
   return jnp.transpose(r, perm).reshape(x_shape)
 
 

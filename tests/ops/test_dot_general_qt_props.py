@@ -459,11 +459,19 @@ def backward_bound(case, g, x: Side, y: Side, gq, which: str):
         idx = tuple(0 if a in y_contract else slice(None) for a in range(y.x.ndim))
         red_letters = "".join(ch for a, ch in enumerate(ys) if a not in y_contract)
         s_red = y.s_full[idx]
+        # The documented shift: per batch index the scale over 2**e, its largest value
+        # brought into [1, 2) (none below 2); y' keeps 2**e.
+        kept = [a for a in range(y.x.ndim) if a not in y_contract]
+        free_pos = tuple(i for i, a in enumerate(kept) if a in yfree)
+        top = np.max(np.where(np.isfinite(s_red), s_red, 0.0), axis=free_pos, keepdims=True)
+        e = np.clip(np.frexp(top)[1] - 1, 0, 127)
+        s_red = s_red / 2.0 ** e
         other = "".join(ch for ch in g_letters if ch not in red_letters)
         other_shape = [g64.shape[g_letters.index(ch)] for ch in other]
         fold = np.einsum(f"{red_letters},{other}->{g_letters}", s_red, np.ones(other_shape))
         gp = g64 * fold
         yv = np.where(y.s_full == 0, 0.0, y.val / np.where(y.s_full == 0, 1.0, y.s_full))
+        yv = yv * 2.0 ** np.expand_dims(e, tuple(sorted(y_contract)))
     gqt = gq.qtype
     t = R.group_reduce(np.abs(gp), tuple(i for i in range(gp.ndim) if i not in g_red_axes), {},
                        lambda v, axis, keepdims: np.max(v, axis=axis, keepdims=keepdims, initial=0.0))
