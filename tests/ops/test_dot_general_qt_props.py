@@ -463,7 +463,8 @@ def backward_bound(case, g, x: Side, y: Side, gq, which: str):
         # brought into [1, 2) (none below 2); y' keeps 2**e.
         kept = [a for a in range(y.x.ndim) if a not in y_contract]
         free_pos = tuple(i for i, a in enumerate(kept) if a in yfree)
-        top = np.max(np.where(np.isfinite(s_red), s_red, 0.0), axis=free_pos, keepdims=True)
+        top = np.max(np.where(np.isfinite(s_red), s_red, 0.0), axis=free_pos, keepdims=True,
+                     initial=0.0)
         e = np.clip(np.frexp(top)[1] - 1, 0, 127)
         s_red = s_red / 2.0 ** e
         other = "".join(ch for ch in g_letters if ch not in red_letters)
