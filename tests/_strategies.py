@@ -19,13 +19,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qtrain.core import qarray, qtypes, rounding
 from qtrain.ops import config as C
-from qtrain.core import qarray, qtypes
 
 QTYPES: tuple[str, ...] = tuple(qtypes.VALID_QTYPES)
 FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 GRAD_QTYPES: tuple[str, ...] = ("int8", "float8_e4m3fn", "float8_e5m2")
 MODES: tuple[str, ...] = ("unit", "tensor", "mixed", "huge", "tiny")
+
+
+def grad_quants() -> st.SearchStrategy:
+  """None or a GradQuant: every gradient qtype x every rounding method (None included)."""
+  return st.one_of(st.none(), st.builds(
+      C.GradQuant, qtype=st.sampled_from(GRAD_QTYPES),
+      stochastic_rounding=st.sampled_from([None, *rounding.STOCHASTIC_METHODS])))
 
 
 def _exponent_range(dtype) -> tuple[int, int]:

@@ -69,9 +69,7 @@ class ConvCase:
   drhs: C.GradQuant | None = None
 
 
-grad_quants = st.one_of(st.none(), st.builds(
-    C.GradQuant, qtype=st.sampled_from(S.GRAD_QTYPES),
-    stochastic_rounding=st.sampled_from([None, "uniform", "low_bit_uniform"])))
+grad_quants = S.grad_quants()
 
 
 @st.composite
