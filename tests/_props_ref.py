@@ -148,7 +148,8 @@ def calibration_scales(x: np.ndarray, qt: qtypes.QType, cal, cw, tiles):
   """Per group of ``x`` (float64, finite where it matters): (expected scale,
   relative tolerance, zero bound) in the scale's shape, per the Calibration
   docstring: scale = bound * multiplier / qmax (minmax: span / (qmax - qmin)),
-  a zero bound gives 1 (binary: 0); issue 16's contract clamps it below at
+  an all-zero group gives 1 (binary: 0), a zero bound of other data (a low
+  percentile) the TINY32 grid; issue 16's contract clamps it below at
   TINY32 and above where the largest code times it would overflow float32.
 
   Tolerances: each float32 rounding on the way is one u (multiplier, / qmax);
@@ -192,7 +193,10 @@ def calibration_scales(x: np.ndarray, qt: qtypes.QType, cal, cw, tiles):
     # The documented cap: 2**(bits-1) steps on each side of 0 stay finite in float32.
     s = np.where(span == 0, 1.0, np.clip(span / (qt.qmax - qt.qmin), TINY32, minmax_cap(qt)))
     return s, np.full_like(s, gamma(4)), span == 0
-  zero = bound == 0
+  # Only all-zero groups get the exact zero scale (1, or 0 for binary); a zero
+  # bound of data that is not all zero (a low percentile of a mostly-zero group)
+  # is a real bound and gives the TINY32 grid.
+  zero = (bound == 0) if cal.method == "fixed" else (amax == 0)
   # The cap: the largest scale whose largest code (qmax, or -qmin where values can clip
   # there) times it stays finite in float32 (the contract of qarray.max_scale).
   codes = qt.qmax if (cal.method == "absmax" and m == 1.0) else max(qt.qmax, -qt.qmin)
@@ -200,7 +204,7 @@ def calibration_scales(x: np.ndarray, qt: qtypes.QType, cal, cw, tiles):
   s_raw = np.minimum(bound * m / qt.qmax, cap)
   s = np.where(zero, 0.0 if qt.kind == "binary" else 1.0, np.maximum(s_raw, TINY32))
   tol_rel = tol + tol_abs * m / qt.qmax / np.maximum(s, TINY32)
-  return s, np.where(zero, 0.0, tol_rel), zero
+  return s, np.where(zero, 0.0, tol_rel), bound == 0
 
 
 # ----------------------------------------------------------------------------

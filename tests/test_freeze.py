@@ -203,10 +203,10 @@ def test_mosaic_frozen_binary_layer_matches_xla_gpu():
 # layout from codes and scales that are bitwise those of the QT forward (the
 # same quantize_operand call on the same array), quantizes the input with the
 # same function and spec, and makes the QT forward's own dispatch call with the
-# op's dimension numbers, so every float32 value agrees bit for bit: eagerly (each
-# op is deterministic; the nnx and custom-module tests) and under jit, where the
-# two programs differ only in how the weight codes are made (quantized vs
-# unpacked) and XLA compiles the rest alike (the linen tests).
+# op's dimension numbers, so every float32 value agrees bit for bit eagerly (each
+# op is deterministic). Under jit the two programs differ in how the weight codes
+# are made (quantized vs unpacked), and XLA may fuse them differently and
+# reassociate a float32 sum: there the budget is a few ulps.
 # "auto" is the XLA path off a GPU only (on a GPU it prefers the packed kernels,
 # tested against the bound of test_kernel_path_matches_qt_forward).
 
@@ -371,7 +371,11 @@ def test_placeholders_are_dead_under_jit_and_nnx_jit():
   run = nnx.jit(lambda mm, x: mm(x))
   # apply_frozen sets the frozen ops' implementation ("auto" prefers kernels on a GPU).
   np.testing.assert_array_equal(freeze.apply_frozen(fr, x, implementation="xla"), m(x))
-  np.testing.assert_array_equal(run(fr, x), run(m, x))
+  # Under jit XLA fuses the two programs each its own way and may reassociate a
+  # float32 sum: a few ulps of the output's magnitude, no more.
+  ref = run(m, x)
+  budget = 16 * np.finfo(np.float32).eps * float(jnp.max(jnp.abs(ref)))
+  np.testing.assert_allclose(run(fr, x), ref, rtol=0, atol=budget)
 
 
 class Custom(nn.Module):

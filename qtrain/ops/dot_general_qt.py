@@ -88,12 +88,17 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
   free axes of this product (then the caller multiplies in float).
 
   ``g * scale`` can overflow float32 where the product does not (a gradient
-  of 1e25 times a scale of 1e20). So per batch index the scale is divided by
+  of 1e25 times a scale of 1e20, against codes of 0): one Inf would make its
+  whole gradient group NaN. So per batch index the scale is divided by
   ``2**e``, the power of two that brings its largest value into [1, 2) (none
-  where it is below 2), and ``y'`` keeps ``2**e`` as its scale: the product's
-  epilogue multiplies it back. Powers of two are exact, so the numbers are
-  those of ``g * scale`` wherever that is finite; no pass over ``g`` is added
-  (the shift is computed on the scale alone).
+  where it is below 2), but never so far that its smallest positive value
+  leaves float32's normal range (a flushed scale would drop its channel's
+  gradient however large ``g`` is); ``y'`` keeps ``2**e`` as its scale and the
+  product's epilogue multiplies it back. Powers of two are exact, so the
+  numbers are those of ``g * scale`` wherever that is finite; no pass over
+  ``g`` is added (the shift is computed on the scale alone). Only scales that
+  span more than 2**126 within one batch index can leave a product that
+  overflows.
   """
   (gc, yk), (gb, yb) = dims
   ys = y.scale
@@ -106,9 +111,14 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
   t = jnp.transpose(ys, tuple(yb) + tuple(yk) + tuple(y_free))
   t = t.reshape(t.shape[:len(yb) + len(yk)])
   nb = len(yb)
-  top = jnp.max(jnp.where(jnp.isfinite(t), t, 0.0), axis=tuple(range(nb, t.ndim)), keepdims=True)
+  group = tuple(range(nb, t.ndim))
+  finite = jnp.isfinite(t)
+  top = jnp.max(jnp.where(finite, t, 0.0), axis=group, keepdims=True)
+  low = jnp.min(jnp.where(finite & (t > 0), t, jnp.inf), axis=group, keepdims=True)
   _, e = jnp.frexp(top)  # 2**(e - 1) <= top < 2**e
-  e = jnp.clip(e - 1, 0, 127)  # 2**127 is float32's largest power of two
+  _, e_low = jnp.frexp(jnp.where(jnp.isinf(low), 1.0, low))
+  # 2**127 is float32's largest power of two; low / 2**e stays >= 2**-126.
+  e = jnp.clip(jnp.minimum(e - 1, e_low + 125), 0, 127)
   t = jnp.ldexp(t, -e)
   if swap_ans:
     s_g = t.reshape(t.shape + (1,) * nxk)

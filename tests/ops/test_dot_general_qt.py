@@ -508,6 +508,53 @@ def test_gemm_layout_leaves_gradients_unchanged(layout):
                                atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("edge", ["tiny_scale_big_gradient", "huge_scale_zero_codes"])
+def test_gradient_fold_keeps_channels_at_float32_edges(edge):
+  """The backward folds w's per-channel scale into g before quantizing it
+  (dot_general_qt._fold_scale), shifted by a power of two per batch index.
+  Scales far apart must neither flush a channel (a TINY32 scale times a
+  gradient of 1e30 is a real 8e-8) nor overflow one (a gradient of 1e25 times
+  a scale of 1.4e21 is Inf in float32, though that channel's codes are 0 on
+  every row but one). Budget: the int8 gradient's half step per element,
+  t_m / 2 * sum_n |q[k, n]| with t_m = max_n |g[m, n] s_n| / 127, plus float32
+  rounding of the scaled products."""
+  dn = (((1,), (0,)), ((), ()))
+  rng = np.random.default_rng(7)
+  signs = np.where(rng.random(7) < 0.5, -1.0, 1.0)
+  w = np.zeros((7, 2), np.float32)
+  g = np.zeros((3, 2), np.float32)
+  if edge == "tiny_scale_big_gradient":
+    # The 1st percentile of mostly-zero data is a zero bound: the TINY32 grid.
+    cal = qarray.Calibration(method="percentile", percentile=1.0)
+    w[3, 0], w[:, 1] = 0.75, 20.0 * signs
+    g[:, 0], g[:, 1] = 1e30, 1e-8 * rng.standard_normal(3)
+  else:
+    cal = qarray.Calibration(method="percentile", percentile=100.0)
+    w[:, 0], w[:, 1] = rng.standard_normal(7), 1e-3 * signs
+    w[0, 1] = 1e22
+    g[:] = 1e25 * rng.standard_normal((3, 2))
+  oq = OQ(qtype="int4", calibration=cal, channelwise=True)
+  cfg = _cfg(None, oq, dlhs=C.GradQuant(qtype="int8"))
+  x = jnp.asarray(_rand((3, 7), 5))
+  _, vjp = jax.vjp(lambda x, w: dot_general_qt(x, w, dn, cfg), x, jnp.asarray(w))
+  out = np.asarray(vjp(jnp.asarray(g))[0], np.float64)
+  wq = qarray.quantize(jnp.asarray(w), qarray.QuantizeSpec(qtype="int4", channelwise_axes=(1,),
+                                                           calibration=cal))
+  s, q = np.asarray(wq.scale, np.float64).reshape(2), np.asarray(wq.qvalue, np.float64)
+  if edge == "tiny_scale_big_gradient":  # the case is what it says
+    assert s[0] == np.finfo(np.float32).tiny and s[1] > 2, s
+  else:
+    assert s[1] > 1e21 and np.all(q[1:, 1] == 0), (s, q[:, 1])
+  g64 = g.astype(np.float64)
+  ref = g64 @ (q * s).T
+  t = np.max(np.abs(g64 * s), axis=1, keepdims=True) / 127
+  budget = t / 2 * (np.abs(q).sum(axis=1)[None, :]) + 8 * 2.0 ** -24 * (np.abs(g64 * s) @ np.abs(q).T)
+  finite = np.abs(ref) < np.finfo(np.float32).max
+  assert finite.sum() >= 18, finite  # row k = 0 of the huge channel overflows, as it must
+  assert np.all(np.abs(out - ref)[finite] <= budget[finite]), (out, ref, budget)
+  assert np.all(np.isinf(out[~finite]) & (np.sign(out[~finite]) == np.sign(ref[~finite])))
+
+
 # ----------------------------------------------------------------------------
 # Residuals are quantized.
 
