@@ -49,11 +49,14 @@ import jax.numpy as jnp
 from qtrain.core import _lax
 from qtrain.core import qdot
 from qtrain.ops import config as cfg_lib
+from qtrain.ops import dispatch
 from qtrain.ops import qt_operand as dqt
 
-# The backends a quantized convolution runs on: XLA's convolution ("auto" takes it everywhere).
+# The backends a quantized convolution runs on: those of the registry whose
+# conv_unsupported() is None (XLA's convolution; "auto" takes it everywhere).
 # The Pallas kernels are matmuls; a forced one raises instead of being silently ignored.
-CONV_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "xla")
+CONV_IMPLEMENTATIONS: tuple[str, ...] = tuple(
+    name for name in cfg_lib.IMPLEMENTATIONS if dispatch.conv_unsupported(name) is None)
 
 
 def _conv(lhs, rhs, p, preferred_element_type):
@@ -246,9 +249,10 @@ def conv_general_qt(
   if not isinstance(config, cfg_lib.ConvGeneralQtConfig):
     raise ValueError(f"config must be a ConvGeneralQtConfig, got {type(config).__name__}")
   impl = config.implementation
-  if impl not in CONV_IMPLEMENTATIONS and (config.lhs is not None or config.rhs is not None):
-    raise ValueError(f"implementation={impl!r}: qtrain has no {impl} convolution kernel (the "
-                     f"kernels are matmuls); quantized convolutions run on XLA: use "
+  why = dispatch.conv_unsupported(impl)
+  if why is not None and (config.lhs is not None or config.rhs is not None):
+    raise ValueError(f"implementation={impl!r}: {why} (the kernels are matmuls); quantized "
+                     f"convolutions run on XLA: use "
                      f"implementation='xla' or 'auto' for them (e.g. a rule with "
                      f"op_names=('conv_general_dilated',) before the one that forces {impl!r})")
   out_dtype = dqt.check_operands(lhs, rhs, preferred_element_type)

@@ -23,6 +23,8 @@ from qtrain.kernels import _common
 from qtrain.ops import dispatch
 from qtrain.kernels import mosaic_gemm as mg
 from qtrain.kernels.mosaic_matmul import UnsupportedCall
+from qtrain.ops.backends import mosaic as mosaic_backend
+from qtrain.ops.backends import DotCall, Unsupported
 
 dqt = importlib.import_module("qtrain.ops.dot_general_qt")
 DN = (((1,), (0,)), ((), ()))  # (M, K) x (K, N): the rhs needs a transpose to (N, K)
@@ -109,6 +111,10 @@ def test_reference_matches_float64(out_dtype, budget):
   assert np.all(np.abs(out - want) <= budget * np.abs(want) + 1e-30)
 
 
+def _plan_gemm(x, w, dn, out_dtype, **kw):
+  return mosaic_backend.plan_gemm(DotCall(x, w, dn, jnp.dtype(out_dtype)), **kw)
+
+
 def _int8_qarrays(m, k, n, seed=0, lhs_qtype="int8"):
   ks = jax.random.split(jax.random.key(seed), 2)
   x = qa.quantize(jax.random.normal(ks[0], (m, k)), qa.QuantizeSpec(qtype=lhs_qtype,
@@ -124,7 +130,7 @@ def test_plan_gemm_gives_the_xla_paths_numbers(out_dtype, lhs_qtype):
   # The plan's operands and scales, through the kernel's reference, are the
   # XLA path's product bit for bit (same exact int32 sums, same epilogue order).
   x, w = _int8_qarrays(256, 384, 512, lhs_qtype=lhs_qtype)
-  plan = dispatch._plan_gemm(x, w, DN, out_dtype)
+  plan = _plan_gemm(x, w, DN, out_dtype)
   assert plan.a.shape == (256, 384) and plan.b.shape == (512, 384) and plan.out_shape == (256, 512)
   np.testing.assert_array_equal(plan.b, w.qvalue.T)
   got = mg.mosaic_gemm_reference(plan.a, plan.b, a_scale=plan.a_scale, b_scale=plan.b_scale,
@@ -135,27 +141,27 @@ def test_plan_gemm_gives_the_xla_paths_numbers(out_dtype, lhs_qtype):
 
 def test_plan_gemm_refuses_what_it_cannot_take():
   x, w = _int8_qarrays(256, 384, 512)
-  with pytest.raises(dispatch._Unsupported, match="lhs is not a QArray"):
-    dispatch._plan_gemm(x.dequantize(jnp.float32), w, DN, jnp.float32)
+  with pytest.raises(Unsupported, match="lhs is not a QArray"):
+    _plan_gemm(x.dequantize(jnp.float32), w, DN, jnp.float32)
   fp8 = qa.quantize(jnp.ones((256, 384)), qa.QuantizeSpec(qtype="float8_e4m3fn",
                                                           channelwise_axes=(0,)))
-  with pytest.raises(dispatch._Unsupported, match="lhs qtype float8_e4m3fn"):
-    dispatch._plan_gemm(fp8, w, DN, jnp.float32)
+  with pytest.raises(Unsupported, match="lhs qtype float8_e4m3fn"):
+    _plan_gemm(fp8, w, DN, jnp.float32)
   grouped = qa.quantize(jax.random.normal(jax.random.key(2), (384, 512)),
                         qa.QuantizeSpec(qtype="int8", channelwise_axes=(1,), tiled_axes={0: 128}))
-  with pytest.raises(dispatch._Unsupported, match="rhs scale varies along a contracting axis"):
-    dispatch._plan_gemm(x, grouped, DN, jnp.float32)
-  with pytest.raises(dispatch._Unsupported, match="output dtype int32"):
-    dispatch._plan_gemm(x, w, DN, jnp.int32)
-  with pytest.raises(dispatch._Unsupported, match=r"M=256 \(below 257 rows\)"):
-    dispatch._plan_gemm(x, w, DN, jnp.float32, min_m=257)
+  with pytest.raises(Unsupported, match="rhs scale varies along a contracting axis"):
+    _plan_gemm(x, grouped, DN, jnp.float32)
+  with pytest.raises(Unsupported, match="output dtype int32"):
+    _plan_gemm(x, w, DN, jnp.int32)
+  with pytest.raises(Unsupported, match=r"M=256 \(below 257 rows\)"):
+    _plan_gemm(x, w, DN, jnp.float32, min_m=257)
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks dispatch off a GPU (GPU dispatch: the tests below)")
 def test_dispatch_off_hopper():
   x, w = _int8_qarrays(256, 384, 512)
   assert not _common.on_hopper()
-  assert dispatch._auto_gemm(x, w, DN, jnp.float32) is None  # "auto" stays on XLA
+  assert dispatch.BACKENDS["mosaic"].auto_plan(DotCall(x, w, DN, jnp.dtype(jnp.float32))) is None  # "auto" stays on XLA
   with pytest.raises(ValueError, match="Mosaic GEMM runs on a GPU"):
     dispatch.quantized_dot_general(x, w, DN, preferred_element_type=jnp.float32,
                                    implementation="mosaic")

@@ -22,8 +22,15 @@ from jax.experimental.mosaic.gpu import fragmented_array as fa
 from qtrain.core import packing
 from qtrain.core import qarray as qa
 from qtrain.ops import dispatch
+from qtrain.ops.backends import mosaic as mosaic_backend
+from qtrain.ops.backends import DotCall, Unsupported
 from qtrain.kernels import mosaic_layout as ml
 from qtrain.kernels import mosaic_matmul as mm
+
+
+def _plan_mosaic(x, w, dn):
+  p = mosaic_backend.plan_matmul(DotCall(x, w, dn, jnp.dtype(jnp.float32)))
+  return p.x, p.x_scale, p.w, p.out_shape
 
 
 def _linear(idx, sizes):
@@ -412,12 +419,12 @@ def test_dispatch_mosaic_off_gpu_and_unsupported():
       dispatch.quantized_dot_general(x, wq, dn, preferred_element_type=jnp.float32,
                                      implementation="mosaic")
   assert "mosaic" in dispatch.IMPLEMENTATIONS
-  with pytest.raises(dispatch._Unsupported, match="group-wise"):
-    dispatch._plan_mosaic(x, qa.quantize(jax.random.normal(jax.random.key(1), (256, 64)),
+  with pytest.raises(Unsupported, match="group-wise"):
+    _plan_mosaic(x, qa.quantize(jax.random.normal(jax.random.key(1), (256, 64)),
                                          qa.QuantizeSpec(qtype="int4", channelwise_axes=(1,),
                                                          tiled_axes={0: 128})), dn)
-  with pytest.raises(dispatch._Unsupported, match="float32"):
-    dispatch._plan_mosaic(x.astype(jnp.float32), wq, dn)
+  with pytest.raises(Unsupported, match="float32"):
+    _plan_mosaic(x.astype(jnp.float32), wq, dn)
   mw = mm.prepare_mosaic_weight(jnp.ones((64, 256), jnp.int8), "int8")
   with pytest.raises(ValueError, match="MosaicWeight rhs runs with implementation='mosaic' or 'auto'"):
     dispatch.quantized_dot_general(x, mw, (((1,), (1,)), ((), ())),
@@ -428,7 +435,7 @@ def test_plan_mosaic_canonicalises_a_qarray():
   x = jax.random.normal(jax.random.key(0), (2, 3, 256), jnp.bfloat16)
   w = jax.random.normal(jax.random.key(1), (256, 40))
   wq = qa.quantize(w, qa.QuantizeSpec(qtype="int8", channelwise_axes=(1,)))
-  xc, xs, mw, out_shape = dispatch._plan_mosaic(x, wq, (((2,), (0,)), ((), ())))
+  xc, xs, mw, out_shape = _plan_mosaic(x, wq, (((2,), (0,)), ((), ())))
   assert xc.shape == (6, 256) and out_shape == (2, 3, 40) and xs is None
   assert (mw.n, mw.k, mw.qtype) == (40, 256, "int8")
   ref = mm.mosaic_matmul_reference(xc, wq.qvalue.T, "int8", w_scale=wq.scale.reshape(-1))
@@ -448,19 +455,19 @@ def test_plan_mosaic_takes_int8_activation_qarrays():
   dn = (((2,), (0,)), ((), ()))
   for qtype in ("int8", "int4", "binary"):
     xq = qa.quantize(x, qa.QuantizeSpec(qtype=qtype, channelwise_axes=(0, 1)))
-    xc, xs, mw, out_shape = dispatch._plan_mosaic(xq, wq, dn)
+    xc, xs, mw, out_shape = _plan_mosaic(xq, wq, dn)
     assert xc.dtype == jnp.int8 and xc.shape == (6, 256) and xs.shape == (6,)
     np.testing.assert_array_equal(xc, xq.qvalue.reshape(6, 256))
     np.testing.assert_array_equal(xs, xq.scale.reshape(6))
     assert out_shape == (2, 3, 40) and mw.qtype == "int4"
   mw = mm.prepare_mosaic_weight(jnp.ones((40, 256), jnp.int8), "int8")
   xq = qa.quantize(x, qa.QuantizeSpec(qtype="int8", channelwise_axes=(0, 1)))
-  xc, xs, _, out_shape = dispatch._plan_mosaic(xq, mw, (((2,), (1,)), ((), ())))
+  xc, xs, _, out_shape = _plan_mosaic(xq, mw, (((2,), (1,)), ((), ())))
   assert xc.dtype == jnp.int8 and xs.shape == (6,) and out_shape == (2, 3, 40)
-  with pytest.raises(dispatch._Unsupported, match="float8_e4m3fn activations"):
-    dispatch._plan_mosaic(qa.quantize(x, qa.QuantizeSpec(qtype="float8_e4m3fn")), wq, dn)
-  with pytest.raises(dispatch._Unsupported, match="asymmetric"):
-    dispatch._plan_mosaic(qa.quantize(x, qa.QuantizeSpec(qtype="int8", calibration="minmax")), wq, dn)
+  with pytest.raises(Unsupported, match="float8_e4m3fn activations"):
+    _plan_mosaic(qa.quantize(x, qa.QuantizeSpec(qtype="float8_e4m3fn")), wq, dn)
+  with pytest.raises(Unsupported, match="asymmetric"):
+    _plan_mosaic(qa.quantize(x, qa.QuantizeSpec(qtype="int8", calibration="minmax")), wq, dn)
 
 
 @pytest.mark.parametrize("qtype,lo,hi,order", [(qt, lo, hi, order) for qt, lo, hi, order, act in _ORDER_CASES

@@ -1,6 +1,7 @@
 """quantized_dot_general: kernel (interpret mode) vs the XLA reference path."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,8 @@ import pytest
 
 from qtrain.core import qarray as qa
 from qtrain.ops import dispatch
+from qtrain.ops.backends import triton as triton_backend
+from qtrain.ops.backends import DotCall
 from qtrain.kernels import prepared
 from _testutil import all_eqns as _all_eqns
 from _testutil import rel_error as _rel
@@ -185,14 +188,19 @@ def test_auto_table_decisions():
   x_small = _quant(jax.random.normal(jax.random.key(7), (8, 256)), "int8", (0,))
   x_big = _quant(jax.random.normal(jax.random.key(8), (100, 256)), "int8", (0,))
   nk = (((1,), (1,)), ((), ()))
-  assert dispatch._plan(x_small, w_nk, nk).weights_form == "qarray-nk"
-  assert dispatch._auto_wants_kernel(dispatch._plan(x_small, w_nk, nk))
-  assert not dispatch._auto_wants_kernel(dispatch._plan(x_big, w_nk, nk))
+  T = dispatch.BACKENDS["triton"]
+  plan = lambda x, w, dn: T.plan(DotCall(x, w, dn, jnp.dtype(jnp.float32)))
+  assert plan(x_small, w_nk, nk).weights_form == "qarray-nk"
+  assert triton_backend.auto_prefers(plan(x_small, w_nk, nk))
+  assert not triton_backend.auto_prefers(plan(x_big, w_nk, nk))
+  # auto_plan is the same decision, as the policy sees it.
+  assert T.auto_plan(DotCall(x_small, w_nk, nk, jnp.dtype(jnp.float32))) is not None
+  assert T.auto_plan(DotCall(x_big, w_nk, nk, jnp.dtype(jnp.float32))) is None
   w_kn = _quant(jax.random.normal(jax.random.key(9), (256, 128)), "int8", (1,))  # (K, N)
-  plan = dispatch._plan(x_small, w_kn, (((1,), (0,)), ((), ())))
-  assert plan.weights_form == "qarray" and not dispatch._auto_wants_kernel(plan)
+  p = plan(x_small, w_kn, (((1,), (0,)), ((), ())))
+  assert p.weights_form == "qarray" and not triton_backend.auto_prefers(p)
   w4 = _quant(jax.random.normal(jax.random.key(9), (128, 256)), "int4", (0,), {1: 64})
-  assert not dispatch._auto_wants_kernel(dispatch._plan(x_small, w4, nk))
+  assert not triton_backend.auto_prefers(plan(x_small, w4, nk))
 
 
 def _qarray(codes, scale_shape, qtype="int8"):
@@ -256,3 +264,64 @@ def test_compute_dtype_casts_the_float_operand(impl):
   assert np.all(np.asarray(call(x, compute_dtype=jnp.float32)) != 0)
   xb = x.astype(jnp.bfloat16)
   np.testing.assert_array_equal(call(xb, compute_dtype=jnp.bfloat16), call(xb))
+
+
+def test_registry_names_every_implementation_once():
+  assert set(dispatch.BACKENDS) == set(dispatch.IMPLEMENTATIONS) - {"auto"}
+  assert all(b.name == n for n, b in dispatch.BACKENDS.items())
+  assert set(dispatch.AUTO_ORDER) <= set(dispatch.BACKENDS) - {"xla"}
+  # Convolutions: XLA only; each kernel backend says why not, and the op raises that.
+  assert dispatch.conv_unsupported("xla") is None and dispatch.conv_unsupported("auto") is None
+  for name in ("triton", "mosaic", "interpret"):
+    assert dispatch.conv_unsupported(name) == f"qtrain has no {name} convolution kernel"
+  with pytest.raises(ValueError, match=r"implementation='cuda'; valid: \["):
+    dispatch.supports(X, W, DENSE_DN, implementation="cuda")
+
+
+@pytest.mark.parametrize("impl", ["triton", "interpret", "mosaic"])
+def test_forced_backend_raises_the_reason_supports_gives(impl):
+  wf = _quant(W, "float8_e4m3fn", (1,))  # no kernel takes fp8 weights
+  why = dispatch.supports(X, wf, DENSE_DN, implementation=impl)
+  assert why is not None and "float8_e4m3fn" in why, why
+  with pytest.raises(ValueError, match=re.escape(why)):
+    dispatch.quantized_dot_general(X, wf, DENSE_DN, preferred_element_type=jnp.float32,
+                                   implementation=impl)
+  assert dispatch.supports(X, wf, DENSE_DN, implementation="xla") is None
+  w8 = _quant(W, "int8", (1,))
+  assert dispatch.supports(_quant(X, "int8", (0, 1)), w8, DENSE_DN, implementation="interpret") is None
+
+
+def test_auto_policy_guards_a_chosen_kernel_by_platform():
+  """Where a backend's auto_plan takes the call, "auto" emits the kernel for a
+  CUDA lowering and XLA for every other platform (one platform_index switch);
+  elsewhere it is XLA alone. On this CPU both give the XLA numbers."""
+  nk = (((1,), (1,)), ((), ()))
+  w_nk = _quant(jax.random.normal(jax.random.key(6), (128, 256)), "int8", (0,))
+  x_small = _quant(jax.random.normal(jax.random.key(7), (8, 256)), "int8", (0,))
+  x_big = _quant(jax.random.normal(jax.random.key(8), (100, 256)), "int8", (0,))
+  for x, kernel in ((x_small, True), (x_big, False)):
+    f = lambda x, w: dispatch.quantized_dot_general(x, w, nk, preferred_element_type=jnp.float32)
+    prims = {e.primitive.name for e in _all_eqns(jax.make_jaxpr(f)(x, w_nk).jaxpr)}
+    assert ("platform_index" in prims) == kernel, prims
+    ref = dispatch.quantized_dot_general(x, w_nk, nk, preferred_element_type=jnp.float32,
+                                         implementation="xla")
+    np.testing.assert_array_equal(jax.jit(f)(x, w_nk), ref)
+
+
+def test_scale_tiled_along_a_free_axis_is_refused_not_crashed():
+  """A backward product sees the residual's tiles (over the forward's
+  contraction) along a free axis: 2 scales for 4 columns. Kernels take one
+  scale or one per column there, so every kernel backend refuses with that
+  reason and "auto" runs XLA (it used to crash planning a reshape)."""
+  codes = _qarray(np.arange(-8, 8).reshape(4, 4) % 7, (1, 1))  # rhs (K=4, N=4)
+  # 2 tiles of 2 columns each along N.
+  w_cols = qa.QArray(qvalue=codes.qvalue, scale=jnp.asarray([[0.5, 0.25]], jnp.float32),
+                     zero_point=None, qtype=codes.qtype)
+  g = jax.random.normal(jax.random.key(3), (3, 4))
+  dn = (((1,), (0,)), ((), ()))
+  for impl in ("triton", "interpret", "mosaic"):
+    why = dispatch.supports(g, w_cols, dn, implementation=impl)
+    assert why is not None and "2 entries along a free axis of size 4" in why, (impl, why)
+  out = dispatch.quantized_dot_general(g, w_cols, dn, preferred_element_type=jnp.float32)
+  deq = np.asarray(w_cols.qvalue, np.float64) * np.repeat(np.asarray(w_cols.scale, np.float64), 2, axis=1)
+  np.testing.assert_allclose(out, np.asarray(g, np.float64) @ deq, rtol=1e-6, atol=1e-6)
