@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import qtrain  # noqa: E402
 from benchmarks import _record  # noqa: E402
+from qtrain.ops.backends import mosaic as mosaic_backend  # noqa: E402
 
 # What each config quantizes (every Dense of the MLP, module_path ".*"):
 CONFIGS = {
@@ -175,15 +176,14 @@ def setup(name, width, hidden, tokens) -> StepSetup:
 
 @contextlib.contextmanager
 def gemm_threshold(name):
-  """``*_cublas`` configs trace with the Mosaic GEMM off (dispatch.AUTO_GEMM_MIN_M raised)."""
-  from qtrain.ops import dispatch
-  saved = dispatch.AUTO_GEMM_MIN_M
+  """``*_cublas`` configs trace with the Mosaic GEMM off (its AUTO_GEMM_MIN_M raised)."""
+  saved = mosaic_backend.AUTO_GEMM_MIN_M
   if name.endswith("_cublas"):
-    dispatch.AUTO_GEMM_MIN_M = 1 << 62
+    mosaic_backend.AUTO_GEMM_MIN_M = 1 << 62
   try:
     yield
   finally:
-    dispatch.AUTO_GEMM_MIN_M = saved
+    mosaic_backend.AUTO_GEMM_MIN_M = saved
 
 
 def time_config(name, width, hidden, tokens, steps, repeats):

@@ -46,7 +46,7 @@ from qtrain.kernels import mosaic_matmul as _mosaic
 from qtrain.kernels.prepared import PreparedWeight
 from qtrain.ops import config as cfg_lib
 from qtrain.ops.backends import _base
-from qtrain.ops.backends.mosaic import AUTO_GEMM_MIN_M, MosaicBackend
+from qtrain.ops.backends.mosaic import MosaicBackend
 from qtrain.ops.backends.triton import TritonBackend
 from qtrain.ops.backends.xla import XlaBackend
 
@@ -65,7 +65,7 @@ assert set(BACKENDS) | {"auto"} == set(IMPLEMENTATIONS), (sorted(BACKENDS), IMPL
 AUTO_ORDER: tuple[str, ...] = ("mosaic", "triton")
 _AUTO_XLA = XlaBackend(gemm_layout=True)
 
-__all__ = ["AUTO_GEMM_MIN_M", "AUTO_ORDER", "BACKENDS", "IMPLEMENTATIONS", "conv_unsupported",
+__all__ = ["AUTO_ORDER", "BACKENDS", "IMPLEMENTATIONS", "conv_unsupported",
            "quantized_dot_general", "supports"]
 
 

@@ -250,7 +250,7 @@ def test_mosaic_gemm_gpu_is_exact(cfg, out_dtype):
 @pytest.mark.gpu
 @_needs_hopper
 def test_auto_runs_large_int8_products_on_the_gemm():
-  x, w = _int8_qarrays(dispatch.AUTO_GEMM_MIN_M, 384, 512)
+  x, w = _int8_qarrays(mosaic_backend.AUTO_GEMM_MIN_M, 384, 512)
   run = lambda impl: jax.jit(lambda x, w: dispatch.quantized_dot_general(
       x, w, DN, preferred_element_type=jnp.bfloat16, implementation=impl))
   assert "mosaic_gpu" in run("auto").lower(x, w).as_text()
@@ -277,7 +277,7 @@ def test_qt_gradients_on_the_gemm_equal_cublas(monkeypatch):
 
   text, on_gemm = run()
   assert text.count("mosaic_gpu") >= 3  # the forward and both backward products
-  monkeypatch.setattr(dispatch, "AUTO_GEMM_MIN_M", 1 << 62)
+  monkeypatch.setattr(mosaic_backend, "AUTO_GEMM_MIN_M", 1 << 62)
   text, on_cublas = run()
   assert "mosaic_gpu" not in text
   for g, c in zip(jax.tree.leaves(on_gemm), jax.tree.leaves(on_cublas)):

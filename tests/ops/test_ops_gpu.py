@@ -133,8 +133,8 @@ def test_qt_dense_products_read_k_minor_operands(qtype, gq, monkeypatch):
   # operand transposes into layouts that send the product to a slow GEMM (a cutlass sm80
   # fallback at 1/8 of the int8 speed, measured in the training step). This checks XLA's
   # path: the Mosaic int8 GEMM, which "auto" picks for large M on Hopper, is switched off.
-  from qtrain.ops import dispatch
-  monkeypatch.setattr(dispatch, "AUTO_GEMM_MIN_M", 1 << 62)
+  from qtrain.ops.backends import mosaic as mosaic_backend
+  monkeypatch.setattr(mosaic_backend, "AUTO_GEMM_MIN_M", 1 << 62)
   cfg = qops.DotGeneralQtConfig(lhs=qops.OperandQuant(qtype=qtype), rhs=qops.OperandQuant(qtype=qtype),
                               dlhs_grad=qops.GradQuant(qtype=gq, stochastic_rounding="uniform"),
                               drhs_grad=qops.GradQuant(qtype=gq, stochastic_rounding="uniform"))
