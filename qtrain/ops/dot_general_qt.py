@@ -126,8 +126,11 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
   else:
     s_g = t.reshape(t.shape[:nb] + (1,) * nxk + t.shape[nb:])
   g2 = g.astype(jnp.float32) * s_g
-  shape = [1] * y.ndim  # 2**e along y's batch axes
-  for a, n in zip(yb, e.shape[:nb]):
+  # 2**e along y's batch axes, in y's axis order (yb may list them in another).
+  order = sorted(range(nb), key=lambda i: yb[i])
+  e = jnp.transpose(e.reshape(e.shape[:nb]), order)
+  shape = [1] * y.ndim
+  for a, n in zip(sorted(yb), e.shape):
     shape[a] = n
   y2 = dataclasses.replace(y, scale=_pow2(e).reshape(shape))
   return g2, y2

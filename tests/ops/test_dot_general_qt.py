@@ -555,6 +555,34 @@ def test_gradient_fold_keeps_channels_at_float32_edges(edge):
   assert np.all(np.isinf(out[~finite]) & (np.sign(out[~finite]) == np.sign(ref[~finite])))
 
 
+def test_gradient_fold_with_batch_axes_listed_out_of_order():
+  """The fold's power of two is kept per batch index in y's scale; with batch
+  axes listed out of axis order ((3, 0) x (2, 0)) it must land on the right
+  index (it once landed transposed: gradients off by powers of two). Budget:
+  the int8 gradient's half step, bounded by the largest |g * s| / 254 times
+  sum |q| over the contraction, plus float32 rounding."""
+  dn = (((2,), (1,)), ((3, 0), (2, 0)))
+  rng = np.random.default_rng(11)
+  x = jnp.asarray(rng.standard_normal((4, 6, 8, 3)).astype(np.float32))
+  # Per (batch) magnitudes from 2**12 to 2**22: scales >= 2, a different shift per index.
+  mag = 2.0 ** rng.integers(12, 23, (4, 1, 3, 1))
+  w = jnp.asarray((rng.standard_normal((4, 8, 3, 2)) * mag).astype(np.float32))
+  cfg = _cfg(None, OQ(qtype="int8"), dlhs=C.GradQuant(qtype="int8"))
+  out_shape = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dn), x, w).shape
+  g = jnp.asarray(rng.standard_normal(out_shape).astype(np.float32))
+  _, vjp = jax.vjp(lambda x, w: dot_general_qt(x, w, dn, cfg), x, w)
+  lbar = np.asarray(vjp(g)[0], np.float64)
+  wq = qarray.quantize(w, qarray.QuantizeSpec(qtype="int8", channelwise_axes=(0, 2, 3)))
+  q, s = np.asarray(wq.qvalue, np.float64), np.asarray(wq.scale, np.float64)
+  assert s.min() >= 2, s.min()
+  # out[b0, b3, m, n] (batch axes in dn's order: lhs 3, lhs 0), lbar[b0, m, k, b3].
+  g64 = np.asarray(g, np.float64)
+  ref = np.einsum("dbmn,bkdn->bmkd", g64, q * s)
+  gs = np.abs(g64).max() * s.max()
+  budget = gs / 254 * np.einsum("bkdn->bkd", np.abs(q)).max() + 1e-5 * np.abs(ref).max()
+  assert np.all(np.abs(lbar - ref) <= budget), np.abs(lbar - ref).max() / budget
+
+
 # ----------------------------------------------------------------------------
 # Residuals are quantized.
 
