@@ -325,3 +325,18 @@ def test_scale_tiled_along_a_free_axis_is_refused_not_crashed():
   out = dispatch.quantized_dot_general(g, w_cols, dn, preferred_element_type=jnp.float32)
   deq = np.asarray(w_cols.qvalue, np.float64) * np.repeat(np.asarray(w_cols.scale, np.float64), 2, axis=1)
   np.testing.assert_allclose(out, np.asarray(g, np.float64) @ deq, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", ["int8", "int4"])
+def test_auto_at_training_size_traces_xla_alone(qtype):
+  """Where no backend is preferred (M = 256, beyond every AUTO_KERNEL bucket that
+  prefers a kernel), "auto" traces exactly XLA's program: no kernel plan whose
+  ops every lowering would drop (they cost trace and compile time per op)."""
+  from qtrain.ops.backends.xla import XlaBackend
+  x = _quant(jax.random.normal(jax.random.key(1), (256, 128)), "int8", (0,))
+  w = _quant(jax.random.normal(jax.random.key(2), (128, 512)), qtype, (1,))
+  dn = (((1,), (0,)), ((), ()))
+  auto = lambda x, w: dispatch.quantized_dot_general(x, w, dn, preferred_element_type=jnp.float32)
+  xla = XlaBackend(gemm_layout=True)
+  ref = lambda x, w: xla.run(xla.plan(DotCall(x, w, dn, jnp.dtype(jnp.float32))))
+  assert str(jax.make_jaxpr(auto)(x, w)) == str(jax.make_jaxpr(ref)(x, w))

@@ -19,6 +19,7 @@ Pallas interpreter, on any device.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -135,6 +136,8 @@ class TritonBackend:
   def auto_plan(self, call: DotCall) -> TritonPlan | None:
     """The plan where :data:`AUTO_KERNEL` says the kernel is faster (a
     PreparedWeight always: XLA cannot read it), else None."""
+    if not isinstance(call.rhs, PreparedWeight) and not _m_may_prefer(call):
+      return None  # no plan traced: its ops would be dead on every lowering
     try:
       plan = self.plan(call)
     except Unsupported:
@@ -148,6 +151,17 @@ def auto_prefers(plan: TritonPlan) -> bool:
   """Whether :data:`AUTO_KERNEL` measured this plan's kernel faster than XLA."""
   return AUTO_KERNEL.get((plan.kernel, plan.weights_form, _qmatmul.m_bucket(plan.lhs.shape[0])),
                          False)
+
+
+def _m_may_prefer(call: DotCall) -> bool:
+  """Shape-only: whether call's M falls in a bucket where :data:`AUTO_KERNEL`
+  prefers some kernel (training-size M never does); the plan decides the rest."""
+  try:
+    lc, _, lfree, _ = _base.axes(call.lhs, call.rhs, call.dimension_numbers)
+  except Unsupported:
+    return False
+  m = math.prod(call.lhs.shape[a] for a in lfree)
+  return any(v and b == _qmatmul.m_bucket(m) for (_, _, b), v in AUTO_KERNEL.items())
 
 
 def _plan_prepared(lhs, w: PreparedWeight, dimension_numbers, out_dtype) -> TritonPlan:
