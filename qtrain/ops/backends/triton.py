@@ -136,15 +136,15 @@ class TritonBackend:
   def auto_plan(self, call: DotCall) -> TritonPlan | None:
     """The plan where :data:`AUTO_KERNEL` says the kernel is faster (a
     PreparedWeight always: XLA cannot read it), else None."""
-    if not isinstance(call.rhs, PreparedWeight) and not _m_may_prefer(call):
+    if isinstance(call.rhs, PreparedWeight):
+      return self.plan(call)
+    if not _base.is_qarray(call.rhs) or not _m_may_prefer(call):
       return None  # no plan traced: its ops would be dead on every lowering
     try:
       plan = self.plan(call)
     except Unsupported:
-      if isinstance(call.rhs, PreparedWeight):
-        raise
       return None
-    return plan if plan.weights_form == "prepacked" or auto_prefers(plan) else None
+    return plan if auto_prefers(plan) else None
 
 
 def auto_prefers(plan: TritonPlan) -> bool:
