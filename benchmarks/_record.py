@@ -9,13 +9,14 @@ A run writes one JSON file, ``benchmarks/records/<benchmark>-<date>-<device>-<se
 ``seq`` orders the runs of one benchmark (the next run gets the largest ``seq`` so far
 plus one). ``benchmarks/RESULTS.md`` holds, between ``<!-- begin:<benchmark> -->`` and
 ``<!-- end:<benchmark> -->``, a table rebuilt from every GPU record of that benchmark:
-one row per case (a kernel x shape x M, a training-step config x width) with the
-figures of its latest run, its ratios to the baselines measured in that same run (XLA
-bf16 and XLA int8 for a kernel; bf16 and the qwix config of the same qtypes for a
-training step), and that run's record, date, device and jax version; the commands are
-listed under each table. Each row starts with an anchor (:func:`kernel_anchor`,
-:func:`step_anchor`) that README.md and docs/ link to. Text outside the markers is left
-as it is.
+one row per case (a kernel x shape x M, a training-step config x width, a language-model
+config x d_model x sequence length) with the figures of its latest run, its ratios to the
+baselines measured in that same run (XLA bf16 and XLA int8 for a kernel; bf16 and the qwix
+config of the same qtypes for a training step; bf16 for a language-model step), and that
+run's record, date, device and jax version; the commands are listed under each table. Each
+row starts with an anchor (:func:`kernel_anchor`, :func:`step_anchor`, :func:`lm_anchor`)
+that README.md and docs/ link to. A table with no GPU record yet reads "No GPU run yet.".
+Text outside the markers is left as it is.
 
 RESULTS.md holds GPU figures only: a run on another platform writes its record (by
 default to a temporary directory) and leaves RESULTS.md alone, and records whose
@@ -241,6 +242,15 @@ def step_anchor(d: int, t: int, config: str) -> str:
   return f"s-d{d}-t{t}-{slug(config)}"
 
 
+def lm_anchor(d: int, seq: int, config: str) -> str:
+  """The anchor of a language-model row (``RESULTS.md#<anchor>``).
+
+  >>> lm_anchor(2048, 2048, "qtrain_int8")
+  'lm-d2048-s2048-qtrain-int8'
+  """
+  return f"lm-d{d}-s{seq}-{slug(config)}"
+
+
 def _anchor(name: str) -> str:
   return f'<a id="{name}"></a>'
 
@@ -390,8 +400,90 @@ def render_train_step(recs: list[dict]) -> str:
   return "\n".join(lines + _runs_list("s", [used[s] for s in sorted(used)]))
 
 
+_LM_ORDER = ("bf16", "qtrain_int8", "qwix_int8", "qtrain_fp8", "qwix_fp8", "qtrain_int4w",
+             "qtrain_w1a8")
+
+
+def _gib(v) -> str:
+  return "" if v is None else f"{v / 2**30:.2f}"
+
+
+def _lm_loss(row: dict, rec: dict, timing_rec: dict) -> str:
+  """A loss cell: held-out loss after N steps (``@N``), ``± std`` over seeds where there were
+  several, and the run it comes from where that is not the row's timing run."""
+  cell = f"{row['loss']:.4f}"
+  if row.get("loss_std") is not None:
+    cell += f" ± {row['loss_std']:.4f}"
+  cell += f" @{row['loss_steps']}" if row.get("loss_steps") else ""
+  if rec is not timing_rec:
+    cell += f" ([{_run_id('lm', rec)}](records/{rec['file']}))"
+  return cell
+
+
+def _lm_shape(rows: list[dict]) -> str:
+  """A section's model and batch, from its rows (several values where runs differed)."""
+  def vals(field):
+    return " / ".join(str(v) for v in sorted({r.get(field) for r in rows}, key=str))
+  tokens = " / ".join(f"{v:,}" for v in sorted({r["tokens_per_step"] for r in rows}))
+  return (f"layers {vals('layers')}, heads {vals('heads')}, batch {vals('batch')} "
+          f"({tokens} tokens per step), attention {vals('attention')}")
+
+
+def render_lm_step(recs: list[dict]) -> str:
+  """The language-model table: one row per (d_model, seq, config), from its latest run; the
+  loss from the latest run that measured one (the accuracy mode)."""
+  case = lambda r: (r["d_model"], r["seq"], r["config"])
+  latest = _latest(recs, case)
+  losses = {}
+  for rec in recs:  # oldest first: later runs overwrite
+    for row in rec["rows"]:
+      if row.get("error") is None and row.get("loss") is not None:
+        losses[case(row)] = (row, rec)
+  lines = ["## Language-model training step", "",
+           "Each row is the latest run of that case; every ratio is against the bf16 step of the "
+           "same width measured in that same run. *vs bf16*: this step's tokens/s over bf16's "
+           "(peak memory and compile time: this config's over bf16's); *peak GiB*: the compiled "
+           "training loop's arguments + outputs - donated aliases + temporaries "
+           "(`memory_analysis()`); *compile s*: `lower` + `compile`; *loss*: the held-out loss "
+           "after `@N` training steps, ± its standard deviation over seeds, from the latest "
+           "accuracy-mode run (linked where that is not the row's run). The run's command is in "
+           "the list under the table.", ""]
+  used = {}
+  order = {name: i for i, name in enumerate(_LM_ORDER)}
+  for d, seq in sorted({c[:2] for c in latest}, key=lambda s: (-s[0], s[1])):
+    cases = sorted((c for c in latest if c[:2] == (d, seq)),
+                   key=lambda c: (order.get(c[2], len(order)), c[2]))
+    lines += [f"### d_model = {d}, seq {seq}: {_lm_shape([latest[c][0] for c in cases])}", "",
+              "| config | ms/step | tokens/s | vs bf16 | peak GiB | vs bf16 | compile s | vs bf16 | "
+              "loss | run | date | device | jax |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cases:
+      row, rec = latest[c]
+      used[rec["seq"]] = rec
+      base = next((r for r in rec["rows"] if case(r) == (d, seq, "bf16") and r.get("error") is None
+                   and r.get("ms")), None)
+      ratio = lambda field, inverse=False: "" if base is None or not base.get(field) or \
+          row.get(field) is None else _x(base[field] / row[field] if inverse else
+                                         row[field] / base[field])
+      loss = ""
+      if c in losses:
+        lrow, lrec = losses[c]
+        used[lrec["seq"]] = lrec
+        loss = _lm_loss(lrow, lrec, rec)
+      lines.append(f"| {_anchor(lm_anchor(d, seq, row['config']))}{row['config']} | "
+                   f"{row['ms']:.2f} | {row['tokens_per_s']:,.0f} | {ratio('ms', True)} | "
+                   f"{_gib(row.get('mem_bytes'))} | {ratio('mem_bytes')} | {row['compile_s']:.1f} | "
+                   f"{ratio('compile_s')} | {loss} | {_run_cells('lm', rec)} |")
+    lines.append("")
+  return "\n".join(lines + _runs_list("lm", [used[s] for s in sorted(used)]))
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {"kernels": render_kernels,
-                                                   "train_step": render_train_step}
+                                                   "train_step": render_train_step,
+                                                   "lm_step": render_lm_step}
+# What a table reads before its benchmark's first GPU run.
+_EMPTY = {"kernels": "## Kernels", "train_step": "## Training step",
+          "lm_step": "## Language-model training step"}
 
 
 def _markers(benchmark: str) -> tuple[str, str]:
@@ -426,8 +518,8 @@ def render_results(results: str = RESULTS_MD, records_dir: str = RECORDS_DIR,
   text = open(results).read() if os.path.exists(results) else "# Benchmark results\n"
   for name in benchmarks:
     recs = [r for r in load_records(records_dir, name) if r["meta"].get("platform") == "gpu"]
-    if recs:
-      text = replace_section(text, name, TABLES[name](recs))
+    body = TABLES[name](recs) if recs else f"{_EMPTY[name]}\n\nNo GPU run yet."
+    text = replace_section(text, name, body)
   with open(results, "w") as f:
     f.write(text)
 

@@ -12,9 +12,13 @@
 #   step4096        training-step table, D = 4096 (benchmarks/train_step.py's default configs)
 #   step1024        training-step table, D = 1024
 #   profile         per-kernel GPU time of the int8 and bf16 training steps, D = 4096
+#   lm              language-model table, d_model 1024 and 2048, every config (timing only)
+#   lm1024, lm2048  the same, one width (where `lm` ran out of its budget)
+#   lm-loss         language-model held-out loss after 200 steps, d_model 1024, 3 seeds
+#                   (needs the text: .data/fortunes.txt or shared/data/text/fortunes.txt)
 #
 # Where the work tree has no .git, set QTRAIN_GIT_COMMIT to the commit it holds so the
-# records name it. qwix (for the qwix_* step configs) is installed from a wheel in .whl/.
+# records name it. qwix (for the qwix_* configs) is installed from a wheel in .whl/.
 set -u
 OUT=${OUT:-/tmp/qtrain_out}
 mkdir -p "$OUT"
@@ -23,7 +27,13 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=.:/tmp/site
-[ $# -gt 0 ] || { sed -n '2,17p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,21p' "$0"; exit 2; }
+
+lm() {  # lm NAME ARGS...: one lm_step.py run, its log in $OUT/NAME.log
+  local name=$1; shift
+  timeout 570 python3 benchmarks/lm_step.py --out-dir "$OUT" "$@" 2>&1 | grep -v Warn \
+    | tee "$OUT/$name.log" | grep "^|\| ms/step \|FAIL\|skipped\|not started\|note:\|record:"
+}
 
 kernels() {  # kernels NAME TIMEOUT ARGS...: one kernel-table run, its log in $OUT/NAME.log
   local name=$1 limit=$2; shift 2
@@ -53,8 +63,15 @@ for part in "$@"; do
       timeout 400 python3 benchmarks/profile_step.py --widths 4096 --tokens 8192 \
         --configs qtrain_int8_lowbit,bf16 --top 25 --out-dir "$OUT" 2>&1 | grep -v Warn \
         | tee "$OUT/profile.log" | tail -60 ;;
+    lm)
+      lm lm --widths 1024,2048 --steps 10 --repeats 3 --budget-s 450 ;;
+    lm1024|lm2048)
+      lm "$part" --widths "${part#lm}" --steps 10 --repeats 3 --budget-s 450 ;;
+    lm-loss)
+      lm lm_loss --widths 1024 --steps 10 --repeats 3 --loss-seeds 3 --loss-steps 200 \
+        --configs bf16,qtrain_int8,qtrain_fp8,qtrain_w1a8,qtrain_int4w --budget-s 450 ;;
     *)
-      echo "unknown part '$part'; valid: tests kernels-mosaic kernels-triton kernels-large step4096 step1024 profile"
+      echo "unknown part '$part'; valid: tests kernels-mosaic kernels-triton kernels-large step4096 step1024 profile lm lm1024 lm2048 lm-loss"
       exit 2 ;;
   esac
 done

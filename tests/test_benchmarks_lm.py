@@ -1,0 +1,133 @@
+"""Smoke tests of ``benchmarks/lm_step.py`` and its table in ``benchmarks/_record.py``.
+
+The benchmark's main path runs at tiny sizes on the CPU (width 64, one layer, seq 64) on a
+generated text written into ``tmp_path`` (nothing here reads ``../shared``); the table is
+rendered from synthetic GPU records in temporary folders.
+"""
+
+from __future__ import annotations
+
+import doctest
+import json
+import math
+import os
+import shutil
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `benchmarks` is a folder of scripts, importable from the repo root
+  sys.path.insert(0, ROOT)
+
+from benchmarks import _record  # noqa: E402
+
+
+def _finite_positive(v) -> bool:
+  return isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+
+
+@pytest.mark.slow
+def test_lm_step_main_runs_tiny(tmp_path):
+  from benchmarks import lm_step
+  text = tmp_path / "text.txt"
+  text.write_bytes(lm_step.generated_text(20_000))
+  out = tmp_path / "records"
+  rows = lm_step.main(["--widths", "64", "--layers", "1", "--seq", "64", "--batch", "2",
+                       "--steps", "2", "--repeats", "1", "--configs", "bf16,qtrain_int8",
+                       "--text", str(text), "--loss-seeds", "1", "--loss-steps", "2",
+                       "--eval-batches", "1", "--out-dir", str(out), "--results", ""])
+  files = sorted(os.listdir(out))
+  assert len(files) == 1 and files[0].startswith("lm_step-"), files
+  with open(out / files[0]) as f:
+    rec = json.load(f)
+  assert rec["benchmark"] == "lm_step" and rec["rows"] == json.loads(json.dumps(rows))
+  assert rec["meta"]["text"].endswith("text.txt") and rec["meta"]["loss_seeds"] == 1
+  assert [r["config"] for r in rec["rows"]] == ["bf16", "qtrain_int8"]
+  for r in rec["rows"]:
+    assert r.get("error") is None, r
+    assert (r["d_model"], r["layers"], r["seq"], r["batch"], r["attention"]) == (64, 1, 64, 2, "flax")
+    for field in ("ms", "tokens_per_s", "compile_s", "vs_bf16", "compile_vs_bf16"):
+      assert _finite_positive(r[field]), (field, r)
+    assert r["mem_bytes"] is None or _finite_positive(r["mem_bytes"])
+    assert math.isfinite(r["timing_loss"]) and math.isfinite(r["loss"]) and r["loss"] > 0
+    assert r["loss_steps"] == 2 and len(r["losses"]) == 1
+  assert rec["rows"][0]["vs_bf16"] == 1.0
+
+
+def test_lm_step_docstrings():
+  from benchmarks import lm_step
+  for mod in (lm_step, _record):
+    res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    assert res.failed == 0 and res.attempted > 0, mod.__name__
+
+
+def _lm_row(config: str, ms: float, mem: int, compile_s: float, **extra) -> dict:
+  row = dict(config=config, d_model=2048, layers=4, heads=16, seq=2048, batch=8,
+             tokens_per_step=16384, attention="cudnn", ms=ms,
+             tokens_per_s=16384 / (ms / 1e3) if ms else None, compile_s=compile_s, mem_bytes=mem,
+             loss=None)
+  return dict(row, **extra)
+
+
+def _gpu_record(seq: int, rows: list[dict], command: str) -> dict:
+  meta = dict(date="2026-11-26", recorded="2026-11-26T00:00:00+00:00", device="NVIDIA H100",
+              platform="gpu", device_count=1, versions={"jax": "0.11.2", "flax": "0.12.10"},
+              command=command, git_commit="0123456789abcdef", git_dirty=False)
+  return dict(benchmark="lm_step", seq=seq, meta=meta, rows=rows)
+
+
+def test_lm_table_renders_gpu_records(tmp_path):
+  records = tmp_path / "records"
+  records.mkdir()
+  timing = _gpu_record(1, [_lm_row("bf16", 100.0, 40 << 30, 20.0),
+                           _lm_row("qtrain_int8", 76.9, 30 << 30, 50.0),
+                           dict(_lm_row("qwix_int8", 0, 0, 0), ms=None, error="skipped: no qwix")],
+                       "python3 benchmarks/lm_step.py --widths 2048")
+  loss = _gpu_record(2, [_lm_row("bf16", 101.0, 40 << 30, 21.0, loss=1.5, loss_std=0.01,
+                                 loss_steps=200),
+                         _lm_row("qtrain_fp8", 80.0, 32 << 30, 45.0, loss=1.52, loss_steps=200)],
+                     "python3 benchmarks/lm_step.py --widths 2048 --loss-seeds 3")
+  # A CPU record never enters the table.
+  cpu = dict(_gpu_record(3, [_lm_row("qtrain_int8", 1.0, 1, 1.0)], "cpu run"))
+  cpu["meta"] = dict(cpu["meta"], platform="cpu")
+  for name, rec in (("a.json", timing), ("b.json", loss), ("c.json", cpu)):
+    (records / name).write_text(json.dumps(rec))
+  results = tmp_path / "RESULTS.md"
+  results.write_text("# Results\n\nintro\n")
+  _record.render_results(str(results), str(records), ["lm_step"])
+  text = results.read_text()
+  assert text.startswith("# Results\n\nintro\n")
+  assert "<!-- begin:lm_step " in text and "<!-- end:lm_step -->" in text
+  row = next(l for l in text.splitlines() if 'id="lm-d2048-s2048-qtrain-int8"' in l)
+  cells = [c.strip() for c in row.split("|")[1:-1]]
+  # config, ms/step, tokens/s, vs bf16, peak GiB, vs bf16, compile s, vs bf16, loss, run, ...
+  assert cells[1:9] == ["76.90", f"{16384 / 0.0769:,.0f}", "1.30x", "30.00", "0.75x", "50.0", "2.50x", ""]
+  assert cells[9] == "[lm1](records/a.json)" and cells[10:] == ["2026-11-26", "NVIDIA H100", "0.11.2"]
+  # bf16's timing from its latest run (lm2), the loss from the same run; fp8's loss without seeds.
+  bf16 = next(l for l in text.splitlines() if 'id="lm-d2048-s2048-bf16"' in l)
+  assert "| 101.00 |" in bf16 and "| 1.5000 ± 0.0100 @200 |" in bf16
+  fp8 = next(l for l in text.splitlines() if 'id="lm-d2048-s2048-qtrain-fp8"' in l)
+  assert "| 1.5200 @200 |" in fp8 and "1.26x" in fp8
+  assert 'id="lm-d2048-s2048-qwix-int8"' not in text  # a skipped config has no row
+  assert "### d_model = 2048, seq 2048: layers 4, heads 16, batch 8 (16,384 tokens per step), " \
+         "attention cudnn" in text
+  assert "**lm1**" in text and "**lm2**" in text and "cpu run" not in text
+
+
+def test_lm_table_without_gpu_records_says_so(tmp_path):
+  results = tmp_path / "RESULTS.md"
+  results.write_text("# Results\n")
+  (tmp_path / "records").mkdir()
+  _record.render_results(str(results), str(tmp_path / "records"), ["lm_step"])
+  assert "## Language-model training step\n\nNo GPU run yet.\n<!-- end:lm_step -->" in \
+      results.read_text()
+
+
+def test_render_keeps_results_md_as_committed(tmp_path):
+  """Rendering every table from benchmarks/records/ reproduces RESULTS.md byte for byte."""
+  results = tmp_path / "RESULTS.md"
+  shutil.copy(_record.RESULTS_MD, results)
+  _record.render_results(str(results), _record.RECORDS_DIR)
+  with open(_record.RESULTS_MD) as f:
+    assert results.read_text() == f.read()
