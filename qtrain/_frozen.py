@@ -61,6 +61,7 @@ from qtrain.core import qtypes
 from qtrain.kernels import prepared
 from qtrain.ops import config as cfg_lib
 from qtrain.ops import dispatch
+from qtrain.ops import im2col
 from qtrain.ops import qt_operand as qop
 from qtrain.ops.conv_general_qt import quantized_conv
 from qtrain.ops.dot_general_qt import merge_tiled_contraction
@@ -529,7 +530,6 @@ def dot_product(layer: FrozenLayer, a_val, dn, out_dtype, implementation: str, w
 
 def _im2col(layer: FrozenLayer, a_val, p):
   """Patches of the (quantized) input as (M, K) rows in the frozen K order, and (N, out spatial...)."""
-  lhs_spec, rhs_spec, _ = p["dn"]
   if p["feature_group_count"] != 1 or p["batch_group_count"] != 1:
     raise Unsupported("grouped convolutions")
   quant = isinstance(a_val, qa.QArray)
@@ -538,18 +538,13 @@ def _im2col(layer: FrozenLayer, a_val, p):
       raise Unsupported(f"{a_val.qtype.name} activations (kernels take integer-like ones)")
     if a_val.zero_point is not None:
       raise Unsupported("asymmetric (zero-point) activations")
-    vals = a_val.qvalue.astype(jnp.float32)  # integer codes: exact in float32
+    vals = a_val.qvalue
   else:
     if a_val.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
       raise Unsupported(f"float activations of dtype {a_val.dtype}")
     vals = a_val
-  x = jnp.transpose(vals, lhs_spec)  # (N, C, spatial...) in lax's logical order
-  ks = tuple(layer.kernel_shape[a] for a in rhs_spec[2:])
-  # An identity-kernel convolution at HIGHEST copies the values exactly; padding is 0.
-  patches = jax.lax.conv_general_dilated_patches(
-      x, ks, p["window_strides"], p["padding"], p["lhs_dilation"], p["rhs_dilation"],
-      precision=jax.lax.Precision.HIGHEST)
-  patches = jnp.moveaxis(patches, 1, -1)  # (N, out spatial..., C * prod(ks))
+  # (N, out spatial..., C * prod(window)), channel-major; padding reads 0.
+  patches = im2col.patches(vals, im2col.geometry(vals.shape, layer.kernel_shape, p))
   lead = patches.shape[:-1]
   m = math.prod(lead)
   if m == 0:

@@ -3,26 +3,43 @@
 Forward: the input (``lhs``) and kernel (``rhs``) are quantized per their
 :class:`~qtrain.ops.config.OperandQuant` — the input with one scale per
 batch element (``channelwise``) or per tensor, the kernel with one scale per
-output feature — and the convolution runs on the quantized values
-(int8 x int8 -> int32 or fp8 x fp8 -> f32, exact), scales applied after.
-Strides, padding, dilations, feature groups, batch groups and any layout
-(NHWC, NCHW, ...) are supported.
+output feature — and the convolution runs on the quantized values as a
+matrix product (:mod:`qtrain.ops.im2col`): patches of the input's codes
+(padding reads the code 0, so it contributes exactly 0 for every qtype)
+times the kernel's codes as a matrix, through
+:func:`qtrain.ops.dispatch.quantized_dot_general` — int8 x int8 -> int32 or
+fp8 x fp8 -> f32, exact, scales after; on a GPU the int8 GEMM or a Pallas
+kernel where ``implementation`` picks one. Strides, padding, dilations,
+feature groups (a batch axis of the product) and any layout (NHWC, NCHW,
+...) are supported.
 
-Backward: the residuals are kept quantized (int8/fp8 + scales). The input and
-kernel gradients are the convolution's transposes applied to the
-dequantized residuals, with the incoming gradient fake-quantized per
-``dlhs_grad`` / ``drhs_grad`` (stochastic rounding included): the numbers of
-a quantized backward, computed in float32 (a transposed convolution's
-contraction does not factor per-channel scales the way a matmul's does).
-A residual is dequantized into the dtype the forward multiplied it in, so the
-backward differentiates the product the forward computed.
+Backward: the residuals are kept quantized (int8/fp8 + scales) and the two
+gradients are :func:`~qtrain.ops.dot_general_qt.dot_general_qt`'s backward
+products of that matrix product: ``d patches = g . kernel`` and ``d kernel =
+patches . g`` with the incoming gradient quantized per ``dlhs_grad`` /
+``drhs_grad`` after the residual's scale is folded into it (one gradient
+scale per output position for the input's gradient, per output feature for
+the kernel's; stochastic rounding included), so all three products run in
+int8 (or fp8). The input's gradient is the patches' gradient summed back
+over the windows (in float32). A convolution is therefore exactly the dense
+QT layer applied to its patches.
+
+``batch_group_count > 1`` (a form the transposes of grouped convolutions
+take, rarely written by hand) keeps XLA's convolution: quantized values
+convolved exactly, and a float32 backward of the dequantized residuals with
+the incoming gradient fake-quantized per batch element (``dlhs_grad``) and
+per output feature (``drhs_grad``); a forced kernel implementation raises there.
+
+A quantized operand whose scale varies over spatial axes (a passed-in scale)
+or that has a zero point is dequantized into float32 before its patches are
+taken (a zero point is not the code 0 that padding reads).
 
 Dtypes follow the policy of :mod:`qtrain.ops.qt_operand`, as
 :func:`~qtrain.ops.dot_general_qt.dot_general_qt` does: the output is
 ``preferred_element_type`` or ``result_type(lhs, rhs)``; a float operand times
-a quantized one convolves in ``promote_types(lhs.dtype, rhs.dtype)`` (weight-only
-int8 under a bf16 ``nn.Conv`` is a bf16 convolution accumulated in float32);
-two quantized operands convolve exactly (int8 -> int32, fp8 -> float32, mixed
+a quantized one multiplies in ``promote_types(lhs.dtype, rhs.dtype)`` (weight-only
+int8 under a bf16 ``nn.Conv`` is a bf16 product accumulated in float32);
+two quantized operands multiply exactly (int8 -> int32, fp8 -> float32, mixed
 fp8 kinds included); gradients come back in each operand's dtype.
 
 Example:
@@ -50,13 +67,9 @@ from qtrain.core import _lax
 from qtrain.core import qdot
 from qtrain.ops import config as cfg_lib
 from qtrain.ops import dispatch
+from qtrain.ops import im2col
 from qtrain.ops import qt_operand as dqt
-
-# The backends a quantized convolution runs on: those of the registry whose
-# conv_unsupported() is None (XLA's convolution; "auto" takes it everywhere).
-# The Pallas kernels are matmuls; a forced one raises instead of being silently ignored.
-CONV_IMPLEMENTATIONS: tuple[str, ...] = tuple(
-    name for name in cfg_lib.IMPLEMENTATIONS if dispatch.conv_unsupported(name) is None)
+from qtrain.ops.dot_general_qt import backward_product
 
 
 def _conv(lhs, rhs, p, preferred_element_type):
@@ -106,16 +119,42 @@ def _as_dtype(x, dtype):
   return x.dequantize(dtype) if qdot.is_quantized(x) else x.astype(dtype)
 
 
-def quantized_conv(lq, rq, p, out_dtype, compute_dtype=None):
+def _as_matmul(p) -> bool:
+  """Whether the convolution runs as patches x kernel matrix (see the module docstring)."""
+  return p["batch_group_count"] == 1
+
+
+def quantized_conv(lq, rq, p, out_dtype, compute_dtype=None, implementation: str = "xla"):
   """Convolution over QArray/float operands (``p``: the conv's static parameters).
 
-  Exact low-precision arithmetic where both operands are quantized and their
-  scales factor out (input per batch element, kernel per output feature);
-  otherwise both operands in :func:`operand_dtype` (two QArrays: float32; a
-  float side: ``compute_dtype``, the quantized side dequantized into it),
-  accumulated in float32. :mod:`qtrain.freeze` calls it so frozen inference
-  reproduces training's arithmetic.
+  As a matrix product of the input's patches and the kernel
+  (:mod:`qtrain.ops.im2col`) on :func:`~qtrain.ops.dispatch.quantized_dot_general`
+  with ``implementation``: exact low-precision arithmetic where both operands
+  are quantized and their scales factor out (input per batch element or per
+  tensor, kernel per output feature or per tensor); otherwise as dispatch
+  multiplies (two QArrays whose scales do not factor: float32; a float side:
+  ``compute_dtype``, the quantized side dequantized into it), accumulated in
+  float32. ``batch_group_count > 1``: XLA's convolution (see the module
+  docstring). :mod:`qtrain.freeze` calls it so frozen inference reproduces
+  training's arithmetic.
   """
+  both = qdot.is_quantized(lq) and qdot.is_quantized(rq)
+  if _as_matmul(p):
+    geo = im2col.geometry(lq.shape, rq.shape, p)
+    a, b = im2col.patches_operand(lq, geo), im2col.kernel_operand(rq, geo)
+    y = dispatch.quantized_dot_general(
+        a, b, geo.dot_dimension_numbers(), preferred_element_type=out_dtype,
+        implementation=implementation, compute_dtype=jnp.float32 if both else compute_dtype)
+    return im2col.output_layout(y, geo)
+  if implementation not in ("xla", "auto"):
+    raise ValueError(f"implementation={implementation!r}: a convolution with batch_group_count="
+                     f"{p['batch_group_count']} runs as XLA's convolution, not as a matrix product "
+                     f"a kernel could take; use implementation='xla' or 'auto'")
+  return _xla_conv(lq, rq, p, out_dtype, compute_dtype)
+
+
+def _xla_conv(lq, rq, p, out_dtype, compute_dtype=None):
+  """XLA's convolution of QArray/float operands (``batch_group_count > 1``)."""
   lhs_spec, rhs_spec, out_spec = p["dn"]
   both = qdot.is_quantized(lq) and qdot.is_quantized(rq)
   # Scales factor out of the convolution only when the input's varies (at
@@ -156,7 +195,8 @@ def _forward(lhs, rhs, lhs_scale, rhs_scale, p, config, out_dtype):
     # no mixed float dtypes), as dot_general_qt's unquantized forward is lax.dot_general.
     return _conv(lhs, rhs, p, out_dtype), (lres, rres)
   ctype = dqt.compute_dtype(lhs.dtype, rhs.dtype)
-  return quantized_conv(lres.value, rres.value, p, out_dtype, ctype), (lres, rres)
+  return (quantized_conv(lres.value, rres.value, p, out_dtype, ctype, config.implementation),
+          (lres, rres))
 
 
 def _fake_grad(g, gq, key, channel_axes):
@@ -178,9 +218,47 @@ def _fwd(lhs, rhs, lhs_scale, rhs_scale, kd, p, config, out_dtype, meta):
 def _bwd(p, config, out_dtype, meta, res, g):
   lres, rres, kd = res
   ldtype, rdtype = meta
-  _, _, out_spec = p["dn"]
   k_l, k_r = dqt.split_key(kd, 2)
-  # The values the forward multiplied (quantized_conv's float path rounds a
+  if _as_matmul(p):
+    lhs_bar, rhs_bar = _matmul_grads(p, config, lres, rres, g, k_l, k_r, meta)
+  else:
+    lhs_bar, rhs_bar = _xla_conv_grads(p, config, lres, rres, g, k_l, k_r, meta)
+  lhs_bar, ls_bar = dqt.finish_operand_grad(lhs_bar, lres, config.lhs, ldtype)
+  rhs_bar, rs_bar = dqt.finish_operand_grad(rhs_bar, rres, config.rhs, rdtype)
+  return lhs_bar, rhs_bar, ls_bar, rs_bar, None
+
+
+def _matmul_grads(p, config, lres, rres, g, k_l, k_r, meta):
+  """dot_general_qt's backward products of patches x kernel matrix; the
+  patches' gradient summed back over the windows in float32."""
+  ldtype, rdtype = meta
+  a_val, b_val = lres.value, rres.value
+  geo = im2col.geometry(a_val.shape, b_val.shape, p)
+  a, b = im2col.patches_operand(a_val, geo), im2col.kernel_operand(b_val, geo)
+  gm = im2col.product_layout(g, geo)
+  dn = geo.dot_dimension_numbers()
+  (lc, rc), (lb, rb) = dn
+  # A residual dequantized for its patches (a zero point, a spatial scale) was
+  # float32 in the forward's product: so is the other factor here.
+  ydt = lambda q, v, dtype: jnp.float32 if qdot.is_quantized(q) and not qdot.is_quantized(v) else dtype
+  dp = backward_product(gm, b, dn, a.ndim, swap_ans=False, gq=config.dlhs_grad, key=k_l,
+                        implementation=config.implementation, x_shape=a.shape,
+                        out_dtype=jnp.float32, y_dtype=ydt(b_val, b, rdtype))
+  lhs_bar = im2col.patches_transpose(dp, geo, a_val.shape)
+  # As dot_general_qt: the kernel's gradient in its own dtype unless a learned
+  # scale needs float32 (the same numbers: one rounding at the end either way).
+  w_dtype = rdtype if rres.given_scale is None else jnp.float32
+  dw = backward_product(gm, a, ((rc, lc), (rb, lb)), b.ndim, swap_ans=True, gq=config.drhs_grad,
+                        key=k_r, implementation=config.implementation, x_shape=b.shape,
+                        out_dtype=w_dtype, y_dtype=ydt(a_val, a, ldtype))
+  return lhs_bar, im2col.kernel_from_matrix(dw, geo, b_val.shape)
+
+
+def _xla_conv_grads(p, config, lres, rres, g, k_l, k_r, meta):
+  """The float32 backward of XLA's convolution (``batch_group_count > 1``)."""
+  ldtype, rdtype = meta
+  _, _, out_spec = p["dn"]
+  # The values the forward multiplied (_xla_conv's float path rounds a
   # dequantized operand into the compute dtype; its exact path is float32-exact),
   # then float32 math.
   fwd_dtype = operand_dtype(lres.value, rres.value, dqt.compute_dtype(ldtype, rdtype))
@@ -193,9 +271,7 @@ def _bwd(p, config, out_dtype, meta, res, g):
   _, vjp_l = jax.vjp(lambda a: _conv(a, rf, exact, jnp.float32), lf)
   _, vjp_r = jax.vjp(lambda b: _conv(lf, b, exact, jnp.float32), rf)
   (lhs_bar,), (rhs_bar,) = vjp_l(g_l), vjp_r(g_r)
-  lhs_bar, ls_bar = dqt.finish_operand_grad(lhs_bar, lres, config.lhs, ldtype)
-  rhs_bar, rs_bar = dqt.finish_operand_grad(rhs_bar, rres, config.rhs, rdtype)
-  return lhs_bar, rhs_bar, ls_bar, rs_bar, None
+  return lhs_bar, rhs_bar
 
 
 _conv_qt.defvjp(_fwd, _bwd)
@@ -242,19 +318,12 @@ def conv_general_qt(
 
   Raises:
     ValueError: for a bad config (naming the field), non-float operands or
-      ``preferred_element_type``, a forced backend that has no convolution
-      (see :data:`CONV_IMPLEMENTATIONS`); lax's own errors for bad conv
-      arguments.
+      ``preferred_element_type``, a forced kernel implementation that cannot
+      take the convolution's product (the message says why; at trace time),
+      lax's own errors for bad conv arguments.
   """
   if not isinstance(config, cfg_lib.ConvGeneralQtConfig):
     raise ValueError(f"config must be a ConvGeneralQtConfig, got {type(config).__name__}")
-  impl = config.implementation
-  why = dispatch.conv_unsupported(impl)
-  if why is not None and (config.lhs is not None or config.rhs is not None):
-    raise ValueError(f"implementation={impl!r}: {why} (the kernels are matmuls); quantized "
-                     f"convolutions run on XLA: use "
-                     f"implementation='xla' or 'auto' for them (e.g. a rule with "
-                     f"op_names=('conv_general_dilated',) before the one that forces {impl!r})")
   out_dtype = dqt.check_operands(lhs, rhs, preferred_element_type)
   if config.needs_key and key is None:
     raise ValueError("config asks for stochastic_rounding in dlhs_grad/drhs_grad: pass key=")

@@ -65,8 +65,7 @@ assert set(BACKENDS) | {"auto"} == set(IMPLEMENTATIONS), (sorted(BACKENDS), IMPL
 AUTO_ORDER: tuple[str, ...] = ("mosaic", "triton")
 _AUTO_XLA = XlaBackend(gemm_layout=True)
 
-__all__ = ["AUTO_ORDER", "BACKENDS", "IMPLEMENTATIONS", "conv_unsupported",
-           "quantized_dot_general", "supports"]
+__all__ = ["AUTO_ORDER", "BACKENDS", "IMPLEMENTATIONS", "quantized_dot_general", "supports"]
 
 
 def supports(lhs, rhs, dimension_numbers, *, implementation: str,
@@ -78,12 +77,6 @@ def supports(lhs, rhs, dimension_numbers, *, implementation: str,
   out = jnp.dtype(preferred_element_type if preferred_element_type is not None else jnp.float32)
   return _base.supports(BACKENDS[implementation],
                         _base.DotCall(lhs, rhs, dimension_numbers, out))
-
-
-def conv_unsupported(implementation: str) -> str | None:
-  """None where ``implementation`` runs a quantized convolution, else why not."""
-  cfg_lib.check_implementation(implementation)
-  return None if implementation == "auto" else BACKENDS[implementation].conv_unsupported()
 
 
 def _empty_product(lhs, rhs, dimension_numbers, out_dtype) -> jax.Array | None:

@@ -334,18 +334,43 @@ def test_bad_conv_configs_raise():
                     config=_cfg(None, OQ(qtype="int8")), lhs_scale=jnp.ones(()))
 
 
+@pytest.mark.parametrize("qtypes", [("int8", "int8"), ("int8", "binary"), (None, "int4")])
+def test_forced_kernel_runs_the_conv_as_a_matrix_product(qtypes):
+  """implementation is honoured for convolutions: a forced kernel (the Triton
+  interpreter here) runs the patches x kernel product, with the numbers of XLA's."""
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 9, 9, 16)), jnp.float32)
+  w = jnp.asarray(np.random.default_rng(1).standard_normal((3, 3, 16, 128)), jnp.float32)
+  lq, rq = (None if q is None else OQ(qtype=q) for q in qtypes)
+  ct = jnp.asarray(np.random.default_rng(2).standard_normal((2, 9, 9, 128)), jnp.float32)
+  gq = C.GradQuant(qtype="int8")
+
+  def run(impl):
+    cfg = C.ConvGeneralQtConfig(lhs=lq, rhs=rq, dlhs_grad=gq, drhs_grad=gq, implementation=impl)
+    f = lambda x, w: conv_general_qt(x, w, (1, 1), "SAME", dimension_numbers=NHWC, config=cfg)
+    if lq is None:  # a forced kernel runs every product: d kernel = g . x has no quantized rhs
+      return (f(x, w),)
+    y, vjp = jax.vjp(f, x, w)
+    return (y, *vjp(ct))
+
+  for got, want in zip(jax.jit(lambda: run("interpret"))(), jax.jit(lambda: run("xla"))()):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2.0 ** -20,
+                               atol=2.0 ** -20 * float(np.max(np.abs(np.asarray(want)))))
+  with pytest.raises(ValueError, match="triton.*GPU"):
+    run("triton")
+
+
 @pytest.mark.parametrize("impl", ["triton", "mosaic", "interpret"])
-def test_forced_backend_without_a_conv_kernel_raises(impl):
-  """implementation is honoured: a backend with no convolution says so, it is not ignored."""
-  x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 5, 5, 2)), jnp.float32)
+def test_forced_kernel_on_a_batch_grouped_conv_raises(impl):
+  """batch_group_count > 1 stays XLA's convolution: a forced kernel says so."""
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 5, 5, 2)), jnp.float32)
   w = jnp.asarray(np.random.default_rng(1).standard_normal((3, 3, 2, 4)), jnp.float32)
   cfg = C.ConvGeneralQtConfig(lhs=OQ(qtype="int8"), rhs=OQ(qtype="int8"), implementation=impl)
-  with pytest.raises(ValueError, match=rf"implementation='{impl}': qtrain has no {impl} "
-                                       r"convolution kernel.*'xla' or 'auto'"):
-    conv_general_qt(x, w, (1, 1), "SAME", dimension_numbers=NHWC, config=cfg)
-  # "xla" and "auto" run it, with the same numbers (on the CPU both are XLA's convolution).
-  outs = [conv_general_qt(x, w, (1, 1), "SAME", dimension_numbers=NHWC,
-                          config=dataclasses.replace(cfg, implementation=i)) for i in ("xla", "auto")]
+  f = lambda c: conv_general_qt(x, w, (1, 1), "SAME", dimension_numbers=NHWC, batch_group_count=2,
+                                config=c)
+  with pytest.raises(ValueError, match=rf"implementation='{impl}': a convolution with "
+                                       r"batch_group_count=2 runs as XLA's convolution"):
+    f(cfg)
+  outs = [f(dataclasses.replace(cfg, implementation=i)) for i in ("xla", "auto")]
   np.testing.assert_array_equal(outs[0], outs[1])
   assert np.all(np.isfinite(np.asarray(outs[0])))
 
@@ -452,10 +477,11 @@ def test_non_cpu_conv_path_is_exact_for_integer_values(qtype, lo, hi):
 # int32 and fp8 x fp8 products round nothing; integer x fp8 dequantizes both
 # sides into float32); float32 accumulation of the K window terms, product
 # roundings and the epilogue's two scalings add (K + 3) 2^-24 (|x|*|w|); the
-# cast to the output dtype o adds u_o (|ref| + E) + eta_o. Gradients: float32
-# math on the residuals as the forward rounded them (so the same rounding
-# terms), the cotangent exact (multiples of 1/4 in [-1, 1]), K' = an upper
-# bound on the terms per gradient element, the operand's dtype as o.
+# cast to the output dtype o adds u_o (|ref| + E) + eta_o. Gradients: a product
+# in promote_types(cotangent dtype, the other operand's dtype) (dot_general_qt's
+# backward on the patches), the other side's quantized residual rounded into it,
+# float32 accumulation, the cotangent exact (multiples of 1/4 in [-1, 1]),
+# K' = an upper bound on the terms per gradient element, the operand's dtype as o.
 
 _DT = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 
@@ -523,10 +549,10 @@ def check_conv_against_float64(x, w, geom, lq, rq, *, seed=0, ct_scale=1.0):
   vjp = lambda a, b, t=ct: np_conv_vjp(t, a, b, layout, strides, padding, dil, groups)
   rx, rw = vjp(xh, wh)
   gax, gaw = vjp(ax, aw, np.abs(ct))
-  both = bool(lq) and bool(rq)
-  dq = jnp.float32 if both else c
-  rx_ = [(dq, gax, vjp(ax, np.ones_like(aw), np.abs(ct))[0])] if rq else []
-  rw_ = [(dq, gaw, vjp(np.ones_like(ax), aw, np.abs(ct))[1])] if lq else []
+  # A float backward product multiplies the cotangent (dtype o) with the other operand's
+  # quantized residual dequantized into promote_types(o, its dtype), as dot_general_qt's.
+  rx_ = [(jnp.promote_types(o, rd), gax, vjp(ax, np.ones_like(aw), np.abs(ct))[0])] if rq else []
+  rw_ = [(jnp.promote_types(o, ld), gaw, vjp(np.ones_like(ax), aw, np.abs(ct))[1])] if lq else []
   n_out = int(np.prod(out_shape)) // cout
   for g, rf, a, n, rr, dt in ((gx, rx, gax, kh * kw * cout // groups, rx_, ld),
                               (gw, rw, gaw, n_out, rw_, rd)):
@@ -652,3 +678,45 @@ def test_conv_bad_geometry_raises_naming_the_field():
     conv(rhs=jnp.ones((3, 3, 2, 4)))
   with pytest.raises(TypeError, match="dimension_numbers"):
     conv(dimension_numbers=("NHWC", "HWIX", "NHWC"))
+
+
+@pytest.mark.parametrize("qtypes,strides,padding,dil", [
+    (("int8", "int8"), (1, 1), "SAME", (1, 1)),
+    (("int8", "binary"), (2, 1), ((1, 2), (0, 1)), (1, 2)),
+    (("float8_e4m3fn", "float8_e4m3fn"), (1, 2), "VALID", (1, 1))])
+def test_conv_is_dense_qt_on_its_patches(qtypes, strides, padding, dil):
+  """The documented semantics: with a per-tensor input scale (the same scale a dense
+  layer would compute over the patches: every input element lies in some window),
+  a quantized convolution, forward and both gradients (quantized, stochastic
+  rounding), is dot_general_qt applied to lax's own patches of the input."""
+  x = jnp.asarray(_rand((2, 7, 8, 6), 21))
+  w = jnp.asarray(_rand((3, 2, 6, 5), 22, 0.3))
+  lq = OQ(qtype=qtypes[0], channelwise=False)
+  rq = OQ(qtype=qtypes[1], calibration="absmean" if qtypes[1] == "binary" else "absmax")
+  gq = C.GradQuant(qtype="int8", stochastic_rounding="uniform")
+  key = jax.random.key(3)
+  conv = lambda x, w: conv_general_qt(x, w, strides, padding, None, dil, NHWC,
+                                      config=C.ConvGeneralQtConfig(lhs=lq, rhs=rq, dlhs_grad=gq,
+                                                                   drhs_grad=gq,
+                                                                   implementation="xla"), key=key)
+
+  def dense(x, w):
+    # lax's patches: (N, H', W', C * kh * kw), channel-major: the kernel as (C, kh, kw, O).
+    p = jax.lax.conv_general_dilated_patches(x, w.shape[:2], strides, padding, rhs_dilation=dil,
+                                             dimension_numbers=NHWC, precision=HIGHEST)
+    wm = jnp.transpose(w, (2, 0, 1, 3)).reshape(-1, w.shape[-1])
+    cfg = C.DotGeneralQtConfig(lhs=lq, rhs=rq, dlhs_grad=gq, drhs_grad=gq, implementation="xla")
+    return dot_general_qt(p, wm, (((3,), (0,)), ((), ())), cfg, key=key)
+
+  ct = jnp.asarray(_rand(jax.eval_shape(conv, x, w).shape, 23))
+  (yc, gc), (yd, gd) = (jax.jit(lambda x, w, f=f: (f(x, w), jax.grad(
+      lambda x, w: jnp.sum(f(x, w) * ct), (0, 1))(x, w)))(x, w) for f in (conv, dense))
+  if rq.calibration.method == "absmax":
+    np.testing.assert_array_equal(np.asarray(yc), np.asarray(yd))
+  else:  # absmean sums |w| over the (kh, kw, C) kernel in another order than over its matrix
+    np.testing.assert_allclose(np.asarray(yc), np.asarray(yd), rtol=2.0 ** -21)
+  for a, b in zip(gc, gd):
+    b = np.asarray(b)
+    assert np.any(b != 0)
+    # The input's gradient sums the same window terms in another order (float32).
+    np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=2.0 ** -20 * np.max(np.abs(b)))

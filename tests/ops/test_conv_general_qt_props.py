@@ -24,10 +24,14 @@ of terms per output, at most rhs.size / out_features):
     gamma(n) after 2 u per product;
   * the result rounded once into the output dtype.
 Gradients (float64 vjp of the same convolution): float backward: the
-residuals in float32 (u_c each), float32 accumulation; int8 / fp8 backward:
-g quantized per GradQuant with one scale per batch element (dlhs) or per
-output feature (drhs) adds vjp(E_g) with E_g its per-element rounding bound
-(half a step; a step with stochastic rounding; fp8's relative bound).
+residuals rounded into promote_types(g, operand) (u_c each), float32
+accumulation; int8 / fp8 backward (batch_group_count 1: dot_general_qt's
+backward on the patches): g times the other side's scale (folded in; none for
+a float side or a zero point) quantized per GradQuant with one scale per
+output position (dlhs) or per output feature (drhs) adds vjp(E_g) against
+the other side's codes, E_g its per-element rounding bound (half a step; a
+step with stochastic rounding; fp8's relative bound); batch_group_count > 1:
+g itself quantized per batch element (dlhs) / output feature (drhs).
 """
 
 from __future__ import annotations
@@ -290,11 +294,11 @@ def test_conv_general_qt_forward_deep(case):
 # Backward
 
 
-def _grad_err(g, gq, axis):
-  """Per-element bound of g's quantization error (one scale per index of ``axis``)."""
+def _grad_err(g, gq, keep):
+  """Per-element bound of g's quantization error (one scale per index of the axes ``keep``)."""
   if gq is None:
     return np.zeros_like(g)
-  red = tuple(a for a in range(g.ndim) if a != axis)
+  red = tuple(a for a in range(g.ndim) if a not in keep)
   t = np.max(np.abs(g), axis=red, keepdims=True, initial=0.0) / gq.qtype.qmax * (1 + 4 * R.U32)
   steps = 1.0 if gq.stochastic_rounding else 0.5
   if gq.qtype.is_float:
@@ -303,6 +307,12 @@ def _grad_err(g, gq, axis):
   else:
     e = steps * np.broadcast_to(t, g.shape)
   return e + 2 * R.U32 * np.abs(g) + R.TINY32
+
+
+def _along(s_full, axis):
+  """A scale that varies (at most) along ``axis``, as a vector along it."""
+  t = np.moveaxis(s_full, axis, 0)
+  return t.reshape(t.shape[0], -1)[:, 0] if t.size else np.ones(t.shape[0])
 
 
 def check_backward(case: ConvCase) -> None:
@@ -337,8 +347,35 @@ def check_backward(case: ConvCase) -> None:
   b, sb = _side(w, case.rq, qr, rspec, case.rdtype)
   g64 = R.f64(g)
   ospec = lay.dimension_numbers[2]
-  el = _grad_err(g64, case.dlhs, ospec.index("N"))
-  er = _grad_err(g64, case.drhs, ospec.index("C"))
+  n_ax, c_ax = ospec.index("N"), ospec.index("C")
+  every = tuple(range(g64.ndim))
+  # The gradient's quantization (see the module docstring): a convolution run as a matrix
+  # product quantizes g times the other side's scale (folded in: the kernel's per output
+  # feature, the input's per batch element), one gradient scale per output position (dlhs)
+  # or per output feature (drhs); its error then multiplies the other side's codes (y / s).
+  # batch_group_count > 1: g itself, per batch element (dlhs) / output feature (drhs).
+  matmul = kw["batch_group_count"] == 1
+  b_l, b_r = np.abs(b), np.abs(a)  # what g's error multiplies in each product
+  gp_l = gp_r = np.abs(g64)
+  if matmul:
+    if case.rq is not None and qr.zero_point is None:
+      o_ax = lay.dimension_numbers[1].index("O")
+      s_o = _along(sb, o_ax)
+      gp_l = gp_l * np.moveaxis(np.broadcast_to(s_o, g64.shape[:c_ax] + g64.shape[c_ax + 1:]
+                                                + (s_o.size,)), -1, c_ax)
+      b_l = np.where(sb == 0, 0.0, np.abs(b) / np.where(sb == 0, 1.0, sb))
+    if case.lq is not None and ql.zero_point is None:
+      bn_ax = lay.dimension_numbers[0].index("N")
+      s_n = _along(sa, bn_ax)
+      gp_r = gp_r * np.moveaxis(np.broadcast_to(s_n, g64.shape[:n_ax] + g64.shape[n_ax + 1:]
+                                                + (s_n.size,)), -1, n_ax)
+      b_r = np.where(sa == 0, 0.0, np.abs(a) / np.where(sa == 0, 1.0, sa))
+  el = _grad_err(gp_l, case.dlhs, tuple(i for i in every if i != c_ax) if matmul else (n_ax,))
+  er = _grad_err(gp_r, case.drhs, (c_ax,))
+  if case.dlhs is None or not matmul:
+    gp_l, b_l = np.abs(g64), np.abs(b)
+  if case.drhs is None or not matmul:
+    gp_r, b_r = np.abs(g64), np.abs(a)
 
   @jax.jit
   def vjps(a, b, gl, gr):
@@ -350,8 +387,10 @@ def check_backward(case: ConvCase) -> None:
   with jax.enable_x64(True):
     f = lambda *t: [np.asarray(v) for v in vjps(*[jnp.asarray(v, jnp.float64) for v in t])]
     ref_l, ref_r = f(a, b, g64, g64)
-    P_l, P_r = f(np.abs(a), np.abs(b), np.abs(g64) + el, np.abs(g64) + er)
-    q_l, q_r = f(np.abs(a), np.abs(b), el, er)
+    P_l, _ = f(np.abs(a), b_l, gp_l + el, gp_r + er)
+    _, P_r = f(b_r, np.abs(b), gp_l + el, gp_r + er)
+    q_l, _ = f(np.abs(a), b_l, el, er)
+    _, q_r = f(b_r, np.abs(b), el, er)
   gdt = jnp.dtype(out_dtype)
   for which, bar, ref, P, quant, X, xdt, oq, s_full, Y, ydt, gq, n in (
       ("lhs", lbar, ref_l, P_l, q_l, x, case.ldtype, case.lq, sa, case.rq, case.rdtype, case.dlhs, w.size),

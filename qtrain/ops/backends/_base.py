@@ -58,9 +58,6 @@ class Backend(Protocol):
   def auto_plan(self, call: DotCall) -> Any | None:
     ...
 
-  def conv_unsupported(self) -> str | None:
-    ...
-
 
 def supports(backend: Backend, call: DotCall) -> str | None:
   """None where ``backend`` takes ``call``, else the reason it does not."""

@@ -70,9 +70,6 @@ class MosaicBackend:
 
   name: str = "mosaic"
 
-  def conv_unsupported(self) -> str | None:
-    return "qtrain has no mosaic convolution kernel"
-
   def plan(self, call: DotCall) -> GemmPlan | MatmulPlan:
     # What the kernel cannot take is reported here; mosaic_matmul itself then
     # refuses a non-GPU backend (and jax < 0.11) by name when it runs.

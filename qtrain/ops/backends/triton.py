@@ -78,9 +78,6 @@ class TritonBackend:
   def name(self) -> str:
     return "interpret" if self.interpret else "triton"
 
-  def conv_unsupported(self) -> str | None:
-    return f"qtrain has no {self.name} convolution kernel"
-
   def plan(self, call: DotCall) -> TritonPlan:
     lhs, rhs, dn = call.lhs, call.rhs, call.dimension_numbers
     if isinstance(rhs, PreparedWeight):

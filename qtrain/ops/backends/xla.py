@@ -31,9 +31,6 @@ class XlaBackend:
   gemm_layout: bool = False
   name: str = "xla"
 
-  def conv_unsupported(self) -> str | None:
-    return None
-
   def plan(self, call: DotCall) -> DotCall:
     if isinstance(call.rhs, PreparedWeight):
       raise Unsupported("a PreparedWeight rhs (XLA cannot read its packed words); pass a QArray")

@@ -1,0 +1,248 @@
+"""A convolution as a matrix product: input patches (im2col) times the kernel as a matrix.
+
+For ``batch_group_count == 1`` a convolution with ``G = feature_group_count``
+groups is, at every output position, the product of the input window with
+its group's kernel::
+
+  out[n, s', g*Og + o] = sum_k P[n, s', g, k] * W[g, k, o]
+
+with ``K = (C / G) * prod(window)`` in channel-major order (channel, then
+window position row-major: the order of
+:func:`jax.lax.conv_general_dilated_patches`). The patches are read from the
+zero-padded (and, for ``lhs_dilation``, zero-interleaved) input by one
+strided slice per window position, so they work for any dtype: int8 and fp8
+codes stay codes, and a padded position holds the code 0. That is why
+:mod:`qtrain.ops.conv_general_qt` takes patches of the *quantized* input:
+padding contributes exactly 0, whatever the qtype's grid (binary's has no 0).
+
+The product then runs on :func:`qtrain.ops.dispatch.quantized_dot_general`
+(a GEMM, or a Pallas kernel), and the gradients on the same op's backward
+products; :func:`patches_transpose` takes a gradient of the patches back to
+the input (the transpose of the slicing: a scatter-add of the windows).
+
+Layouts: ``G == 1``: patches ``(N, out spatial..., K)``, kernel ``(K, O)``;
+``G > 1``: patches ``(N, out spatial..., G, K)``, kernel ``(G, K, O / G)``,
+the group a batch axis of the product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qtrain.core import qarray as qa
+from qtrain.core import qdot
+from qtrain.core import qtypes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Geometry:
+  """The static shape of a convolution seen as a matrix product.
+
+  Attributes:
+    lhs_spec, rhs_spec, out_spec: lax's ``ConvDimensionNumbers`` fields
+      (``(batch, feature, spatial...)`` axes; the kernel's ``(out, in, spatial...)``).
+    window: the kernel's spatial sizes.
+    strides, lhs_dilation, rhs_dilation: per spatial dimension.
+    padding: resolved ``(low, high)`` pairs (negative: cropping).
+    out_spatial: the output's spatial sizes.
+    groups: ``feature_group_count``.
+    in_features, out_features: C and O.
+  """
+
+  lhs_spec: tuple[int, ...]
+  rhs_spec: tuple[int, ...]
+  out_spec: tuple[int, ...]
+  window: tuple[int, ...]
+  strides: tuple[int, ...]
+  padding: tuple[tuple[int, int], ...]
+  lhs_dilation: tuple[int, ...]
+  rhs_dilation: tuple[int, ...]
+  out_spatial: tuple[int, ...]
+  groups: int
+  in_features: int
+  out_features: int
+
+  @property
+  def nsp(self) -> int:
+    return len(self.window)
+
+  @property
+  def k(self) -> int:
+    """The contraction per group: (C / G) * prod(window)."""
+    return self.in_features // self.groups * math.prod(self.window)
+
+  def dot_dimension_numbers(self):
+    """``dot_general`` dimension numbers of patches x kernel matrix."""
+    nd = self.nsp + (2 if self.groups == 1 else 3)
+    if self.groups == 1:
+      return (((nd - 1,), (0,)), ((), ()))
+    return (((nd - 1,), (1,)), ((nd - 2,), (0,)))
+
+
+def geometry(lhs_shape, rhs_shape, p) -> Geometry:
+  """The :class:`Geometry` of a convolution (``p``: its parameters as
+  :mod:`qtrain.ops.conv_general_qt` holds them, ``batch_group_count == 1``)."""
+  lhs_spec, rhs_spec, out_spec = (tuple(int(a) for a in s) for s in p["dn"])
+  out_shape = jax.eval_shape(
+      lambda a, b: jax.lax.conv_general_dilated(
+          a, b, p["window_strides"], p["padding"], lhs_dilation=p["lhs_dilation"],
+          rhs_dilation=p["rhs_dilation"], dimension_numbers=p["dn"],
+          feature_group_count=p["feature_group_count"]),
+      jax.ShapeDtypeStruct(tuple(lhs_shape), jnp.float32),
+      jax.ShapeDtypeStruct(tuple(rhs_shape), jnp.float32)).shape
+  window = tuple(int(rhs_shape[a]) for a in rhs_spec[2:])
+  padding = p["padding"]
+  if isinstance(padding, str):
+    eff = tuple(0 if k == 0 else (k - 1) * d + 1 for k, d in zip(window, p["rhs_dilation"]))
+    padding = jax.lax.padtype_to_pads(tuple(lhs_shape[a] for a in lhs_spec[2:]), eff,
+                                      p["window_strides"], padding)
+  return Geometry(
+      lhs_spec=lhs_spec, rhs_spec=rhs_spec, out_spec=out_spec, window=window,
+      strides=tuple(int(s) for s in p["window_strides"]),
+      padding=tuple((int(lo), int(hi)) for lo, hi in padding),
+      lhs_dilation=tuple(int(d) for d in p["lhs_dilation"]),
+      rhs_dilation=tuple(int(d) for d in p["rhs_dilation"]),
+      out_spatial=tuple(int(out_shape[a]) for a in out_spec[2:]),
+      groups=int(p["feature_group_count"]),
+      in_features=int(lhs_shape[lhs_spec[1]]), out_features=int(rhs_shape[rhs_spec[0]]))
+
+
+def _canonical_input(x, geo: Geometry):
+  """(N, spatial..., C) from the lhs layout."""
+  return jnp.transpose(x, (geo.lhs_spec[0],) + geo.lhs_spec[2:] + (geo.lhs_spec[1],))
+
+
+def _patches_canonical(xc, geo: Geometry):
+  """(N, spatial..., C) -> (N, out spatial..., [G,] K)."""
+  zero = jnp.zeros((), xc.dtype)
+  cfg = [(0, 0, 0)] + [(lo, hi, d - 1) for (lo, hi), d in zip(geo.padding, geo.lhs_dilation)]
+  xp = jax.lax.pad(xc, zero, cfg + [(0, 0, 0)])
+  n, c = xp.shape[0], xp.shape[-1]
+  taps = []
+  for offs in itertools.product(*(range(k) for k in geo.window)):
+    start = [0] + [o * d for o, d in zip(offs, geo.rhs_dilation)] + [0]
+    limit = ([n] + [s + (m - 1) * st + 1 for s, m, st in zip(start[1:], geo.out_spatial, geo.strides)]
+             + [c])
+    taps.append(jax.lax.slice(xp, start, limit, [1] + list(geo.strides) + [1]))
+  t = jnp.stack(taps, axis=-1)  # (N, out spatial..., C, window): channel-major K
+  lead = t.shape[:-2]
+  if geo.groups == 1:
+    return t.reshape(lead + (geo.k,))
+  return t.reshape(lead + (geo.groups, geo.k))
+
+
+def patches(x: jax.Array, geo: Geometry) -> jax.Array:
+  """The input windows of every output position (see the module docstring);
+  ``x`` in the convolution's lhs layout, any dtype; padding reads 0."""
+  return _patches_canonical(_canonical_input(x, geo), geo)
+
+
+def patches_transpose(dp: jax.Array, geo: Geometry, x_shape) -> jax.Array:
+  """The transpose of :func:`patches`: window gradients summed back into the
+  input (lhs layout, ``dp``'s dtype)."""
+  perm = (geo.lhs_spec[0],) + geo.lhs_spec[2:] + (geo.lhs_spec[1],)
+  xc_shape = tuple(int(x_shape[a]) for a in perm)
+  f = lambda xc: _patches_canonical(xc, geo)
+  (xc,) = jax.linear_transpose(f, jax.ShapeDtypeStruct(xc_shape, dp.dtype))(dp)
+  return jnp.transpose(xc, tuple(int(i) for i in np.argsort(perm)))
+
+
+def _kernel_perm(geo: Geometry):
+  return (geo.rhs_spec[1],) + geo.rhs_spec[2:] + (geo.rhs_spec[0],)  # (C/G, window..., O)
+
+
+def kernel_matrix(w: jax.Array, geo: Geometry) -> jax.Array:
+  """The kernel (rhs layout) as ``(K, O)``, or ``(G, K, O / G)`` for groups."""
+  m = jnp.transpose(w, _kernel_perm(geo)).reshape(geo.k, geo.out_features)
+  if geo.groups == 1:
+    return m
+  return jnp.transpose(m.reshape(geo.k, geo.groups, -1), (1, 0, 2))
+
+
+def kernel_from_matrix(m: jax.Array, geo: Geometry, w_shape) -> jax.Array:
+  """The inverse of :func:`kernel_matrix`: back to the rhs layout."""
+  if geo.groups > 1:
+    m = jnp.transpose(m, (1, 0, 2)).reshape(geo.k, geo.out_features)
+  perm = _kernel_perm(geo)
+  t = m.reshape(tuple(int(w_shape[a]) for a in perm))
+  return jnp.transpose(t, tuple(int(i) for i in np.argsort(perm)))
+
+
+def output_layout(y: jax.Array, geo: Geometry) -> jax.Array:
+  """The product's output -> the convolution's output layout."""
+  if geo.groups > 1:  # (G, N, out spatial..., O/G) -> (N, out spatial..., O)
+    y = jnp.moveaxis(y, 0, -2)
+    y = y.reshape(y.shape[:-2] + (geo.out_features,))
+  perm = (geo.out_spec[0],) + geo.out_spec[2:] + (geo.out_spec[1],)
+  return jnp.transpose(y, tuple(int(i) for i in np.argsort(perm)))
+
+
+def product_layout(g: jax.Array, geo: Geometry) -> jax.Array:
+  """The inverse of :func:`output_layout` (an output gradient into the product's layout)."""
+  g = jnp.transpose(g, (geo.out_spec[0],) + geo.out_spec[2:] + (geo.out_spec[1],))
+  if geo.groups == 1:
+    return g
+  g = g.reshape(g.shape[:-1] + (geo.groups, geo.out_features // geo.groups))
+  return jnp.moveaxis(g, -2, 0)
+
+
+# ----------------------------------------------------------------------------
+# Quantized operands.
+
+
+def _spatially_constant(q: qa.QArray, spatial) -> bool:
+  return q.zero_point is None and all(q.scale.shape[a] == 1 for a in spatial)
+
+
+def patches_operand(x, geo: Geometry):
+  """:func:`patches` of the conv's input as a product operand.
+
+  A QArray whose scale is constant over the spatial axes (and has no zero
+  point) stays quantized: patches of its codes, its scale laid onto the
+  patches (per batch element, per tensor, or per input channel repeated over
+  the window); integer-like codes travel as int8 (a padded position holds 0,
+  which a binary operand's ``+-1`` grid could not say). Any other QArray is
+  dequantized into float32 first (its padding is then the value 0). A float
+  array's patches are in its dtype.
+  """
+  if not qdot.is_quantized(x):
+    return patches(x, geo)
+  if not _spatially_constant(x, geo.lhs_spec[2:]):
+    return patches(x.dequantize(jnp.float32), geo)
+  codes = patches(x.qvalue, geo)
+  s = _canonical_input(x.scale.astype(jnp.float32), geo)  # (N|1, 1..., C|1)
+  nd = codes.ndim
+  if s.shape[-1] == 1:
+    s = s.reshape(s.shape[:-1] + (1,) * (nd - s.ndim + 1))
+  else:  # per input channel: the same scale at every window position
+    s = jnp.broadcast_to(s[..., None], s.shape + (math.prod(geo.window),))
+    s = s.reshape(s.shape[:-2] + ((geo.groups, geo.k) if geo.groups > 1 else (geo.k,)))
+  qtype = x.qtype
+  if qtype.is_integer_like and qtype.name != "int8":
+    qtype = qtypes.get_qtype("int8")
+  return qa.QArray(qvalue=codes, scale=s, zero_point=None, qtype=qtype)
+
+
+def kernel_operand(w, geo: Geometry):
+  """:func:`kernel_matrix` of the conv's kernel as a product operand (a
+  QArray keeps its qtype; its scale per output feature, per tensor or per
+  input channel is laid onto the matrix; others are dequantized into float32)."""
+  if not qdot.is_quantized(w):
+    return kernel_matrix(w, geo)
+  if not _spatially_constant(w, geo.rhs_spec[2:]):
+    return kernel_matrix(w.dequantize(jnp.float32), geo)
+  s = jnp.transpose(w.scale.astype(jnp.float32), _kernel_perm(geo))  # (C/G|1, 1..., O|1)
+  ci, co = s.shape[0], s.shape[-1]
+  if ci == 1:
+    s = s.reshape(1, co)
+  else:
+    s = jnp.broadcast_to(s.reshape(ci, 1, co), (ci, math.prod(geo.window), co)).reshape(geo.k, co)
+  if geo.groups > 1:
+    s = jnp.transpose(s.reshape(s.shape[0], geo.groups if co > 1 else 1, -1), (1, 0, 2))
+  return qa.QArray(qvalue=kernel_matrix(w.qvalue, geo), scale=s, zero_point=None, qtype=w.qtype)
