@@ -478,12 +478,49 @@ def render_lm_step(recs: list[dict]) -> str:
   return "\n".join(lines + _runs_list("lm", [used[s] for s in sorted(used)]))
 
 
+def conv_anchor(model: str, image: int, batch: int, config: str) -> str:
+  """The anchor of a convolution training-step row.
+
+  >>> conv_anchor("resnet18", 224, 64, "qtrain_int8")
+  'c-resnet18-224-b64-qtrain-int8'
+  """
+  return f"c-{model}-{image}-b{batch}-{slug(config)}"
+
+
+def render_conv_step(recs: list[dict]) -> str:
+  """The convolution training-step table: one row per (model, image, batch, config)."""
+  latest = _latest(recs, lambda r: (r["model"], r["image"], r["batch"], r["config"]))
+  lines = ["## Convolution training step", "",
+           "`benchmarks/conv_step.py`: a ResNet-18 step (bf16, batch norm in training mode, "
+           "float stem and head, the residual stages' convolutions quantized). Each row is the "
+           "latest run of that case; *vs bf16*: the bf16 step's time in that same run over this "
+           "step's.", ""]
+  used = {}
+  for model, image, batch in sorted({c[:3] for c in latest}):
+    lines += [f"### {model}, {image}x{image}, batch {batch}", "",
+              "| config | ms/step | vs bf16 | compile s | loss | run | date | device | jax |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for case in sorted((c for c in latest if c[:3] == (model, image, batch)),
+                       key=lambda c: (c[3] != "bf16", c[3])):
+      row, rec = latest[case]
+      used[rec["seq"]] = rec
+      comp = "" if row.get("compile_s") is None else f"{row['compile_s']:.1f}"
+      loss = "" if row.get("loss") is None else f"{row['loss']:.4f}"
+      lines.append(f"| {_anchor(conv_anchor(model, image, batch, row['config']))}{row['config']} | "
+                   f"{row['ms']:.2f} | {_x(row.get('vs_bf16'))} | {comp} | {loss} | "
+                   f"{_run_cells('c', rec)} |")
+    lines.append("")
+  return "\n".join(lines + _runs_list("c", [used[s] for s in sorted(used)]))
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {"kernels": render_kernels,
                                                    "train_step": render_train_step,
-                                                   "lm_step": render_lm_step}
+                                                   "lm_step": render_lm_step,
+                                                   "conv_step": render_conv_step}
 # What a table reads before its benchmark's first GPU run.
 _EMPTY = {"kernels": "## Kernels", "train_step": "## Training step",
-          "lm_step": "## Language-model training step"}
+          "lm_step": "## Language-model training step",
+          "conv_step": "## Convolution training step"}
 
 
 def _markers(benchmark: str) -> tuple[str, str]:

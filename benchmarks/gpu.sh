@@ -14,6 +14,7 @@
 #   profile         per-kernel GPU time of the int8 and bf16 training steps, D = 4096
 #   lm              language-model table, d_model 1024 and 2048, every config (timing only)
 #   lm1024, lm2048  the same, one width (where `lm` ran out of its budget)
+#   conv            convolution table: a ResNet-18 step, 224x224, batch 64 (bf16, int8, binary)
 #   lm-loss         language-model held-out loss after 200 steps, d_model 1024, 3 seeds
 #                   (needs the text: .data/fortunes.txt or shared/data/text/fortunes.txt)
 #
@@ -27,7 +28,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=.:/tmp/site
-[ $# -gt 0 ] || { sed -n '2,21p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
 
 lm() {  # lm NAME ARGS...: one lm_step.py run, its log in $OUT/NAME.log
   local name=$1; shift
@@ -67,11 +68,15 @@ for part in "$@"; do
       lm lm --widths 1024,2048 --steps 10 --repeats 3 --budget-s 450 ;;
     lm1024|lm2048)
       lm "$part" --widths "${part#lm}" --steps 10 --repeats 3 --budget-s 450 ;;
+    conv)
+      timeout 570 python3 benchmarks/conv_step.py --out-dir "$OUT" --results '' \
+        --configs bf16,qtrain_int8,qtrain_binary,qtrain_int8_fwd 2>&1 | grep -v Warn \
+        | tee "$OUT/conv.log" ;;
     lm-loss)
       lm lm_loss --widths 1024 --steps 10 --repeats 3 --loss-seeds 3 --loss-steps 200 \
         --configs bf16,qtrain_int8,qtrain_fp8,qtrain_w1a8,qtrain_int4w --budget-s 450 ;;
     *)
-      echo "unknown part '$part'; valid: tests kernels-mosaic kernels-triton kernels-large step4096 step1024 profile lm lm1024 lm2048 lm-loss"
+      echo "unknown part '$part'; valid: tests kernels-mosaic kernels-triton kernels-large step4096 step1024 profile conv lm lm1024 lm2048 lm-loss"
       exit 2 ;;
   esac
 done
