@@ -544,7 +544,8 @@ def _im2col(layer: FrozenLayer, a_val, p):
       raise Unsupported(f"float activations of dtype {a_val.dtype}")
     vals = a_val
   # (N, out spatial..., C * prod(window)), channel-major; padding reads 0.
-  patches = im2col.patches(vals, im2col.geometry(vals.shape, layer.kernel_shape, p))
+  patches = im2col.patches(vals, im2col.geometry(vals.shape, layer.kernel_shape, p,
+                                                 channel_major=True))
   lead = patches.shape[:-1]
   m = math.prod(lead)
   if m == 0:

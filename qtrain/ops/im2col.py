@@ -6,9 +6,11 @@ its group's kernel::
 
   out[n, s', g*Og + o] = sum_k P[n, s', g, k] * W[g, k, o]
 
-with ``K = (C / G) * prod(window)`` in channel-major order (channel, then
-window position row-major: the order of
-:func:`jax.lax.conv_general_dilated_patches`). The patches are read from the
+with ``K = (C / G) * prod(window)``, window-major by default (window
+position row-major, then channel: each window position's channels are one
+contiguous run, the layout a GPU copies fastest) or channel-major
+(``channel_major=True``: the order of
+:func:`jax.lax.conv_general_dilated_patches`, frozen weights' layout). The patches are read from the
 zero-padded (and, for ``lhs_dilation``, zero-interleaved) input by one
 strided slice per window position, so they work for any dtype: int8 and fp8
 codes stay codes, and a padded position holds the code 0. That is why
@@ -53,6 +55,7 @@ class Geometry:
     out_spatial: the output's spatial sizes.
     groups: ``feature_group_count``.
     in_features, out_features: C and O.
+    channel_major: K's order (see the module docstring).
   """
 
   lhs_spec: tuple[int, ...]
@@ -67,6 +70,7 @@ class Geometry:
   groups: int
   in_features: int
   out_features: int
+  channel_major: bool = False
 
   @property
   def nsp(self) -> int:
@@ -85,7 +89,7 @@ class Geometry:
     return (((nd - 1,), (1,)), ((nd - 2,), (0,)))
 
 
-def geometry(lhs_shape, rhs_shape, p) -> Geometry:
+def geometry(lhs_shape, rhs_shape, p, *, channel_major: bool = False) -> Geometry:
   """The :class:`Geometry` of a convolution (``p``: its parameters as
   :mod:`qtrain.ops.conv_general_qt` holds them, ``batch_group_count == 1``)."""
   lhs_spec, rhs_spec, out_spec = (tuple(int(a) for a in s) for s in p["dn"])
@@ -110,7 +114,8 @@ def geometry(lhs_shape, rhs_shape, p) -> Geometry:
       rhs_dilation=tuple(int(d) for d in p["rhs_dilation"]),
       out_spatial=tuple(int(out_shape[a]) for a in out_spec[2:]),
       groups=int(p["feature_group_count"]),
-      in_features=int(lhs_shape[lhs_spec[1]]), out_features=int(rhs_shape[rhs_spec[0]]))
+      in_features=int(lhs_shape[lhs_spec[1]]), out_features=int(rhs_shape[rhs_spec[0]]),
+      channel_major=channel_major)
 
 
 def _canonical_input(x, geo: Geometry):
@@ -130,11 +135,20 @@ def _patches_canonical(xc, geo: Geometry):
     limit = ([n] + [s + (m - 1) * st + 1 for s, m, st in zip(start[1:], geo.out_spatial, geo.strides)]
              + [c])
     taps.append(jax.lax.slice(xp, start, limit, [1] + list(geo.strides) + [1]))
-  t = jnp.stack(taps, axis=-1)  # (N, out spatial..., C, window): channel-major K
-  lead = t.shape[:-2]
-  if geo.groups == 1:
-    return t.reshape(lead + (geo.k,))
-  return t.reshape(lead + (geo.groups, geo.k))
+  return _merge_k(jnp.stack(taps, axis=_taps_axis(geo)), geo)
+
+
+def _taps_axis(geo: Geometry) -> int:
+  return -1 if geo.channel_major else -2
+
+
+def _merge_k(t, geo: Geometry):
+  """(..., window, C) (channel-major: (..., C, window)) -> (..., [G,] K)."""
+  lead, g = t.shape[:-2], geo.groups
+  if g > 1 and not geo.channel_major:  # each group's channels together, window-major within
+    kk, c = t.shape[-2:]
+    t = jnp.moveaxis(t.reshape(lead + (kk, g, c // g)), -2, -3)
+  return t.reshape(lead + ((g, geo.k) if g > 1 else (geo.k,)))
 
 
 def patches(x: jax.Array, geo: Geometry) -> jax.Array:
@@ -154,7 +168,9 @@ def patches_transpose(dp: jax.Array, geo: Geometry, x_shape) -> jax.Array:
 
 
 def _kernel_perm(geo: Geometry):
-  return (geo.rhs_spec[1],) + geo.rhs_spec[2:] + (geo.rhs_spec[0],)  # (C/G, window..., O)
+  if geo.channel_major:
+    return (geo.rhs_spec[1],) + geo.rhs_spec[2:] + (geo.rhs_spec[0],)  # (C/G, window..., O)
+  return geo.rhs_spec[2:] + (geo.rhs_spec[1], geo.rhs_spec[0])  # (window..., C/G, O)
 
 
 def kernel_matrix(w: jax.Array, geo: Geometry) -> jax.Array:
@@ -221,8 +237,10 @@ def patches_operand(x, geo: Geometry):
   if s.shape[-1] == 1:
     s = s.reshape(s.shape[:-1] + (1,) * (nd - s.ndim + 1))
   else:  # per input channel: the same scale at every window position
-    s = jnp.broadcast_to(s[..., None], s.shape + (math.prod(geo.window),))
-    s = s.reshape(s.shape[:-2] + ((geo.groups, geo.k) if geo.groups > 1 else (geo.k,)))
+    s = jnp.expand_dims(s, _taps_axis(geo))
+    shape = list(s.shape)
+    shape[_taps_axis(geo)] = math.prod(geo.window)
+    s = _merge_k(jnp.broadcast_to(s, tuple(shape)), geo)
   qtype = x.qtype
   if qtype.is_integer_like and qtype.name != "int8":
     qtype = qtypes.get_qtype("int8")
@@ -237,12 +255,14 @@ def kernel_operand(w, geo: Geometry):
     return kernel_matrix(w, geo)
   if not _spatially_constant(w, geo.rhs_spec[2:]):
     return kernel_matrix(w.dequantize(jnp.float32), geo)
-  s = jnp.transpose(w.scale.astype(jnp.float32), _kernel_perm(geo))  # (C/G|1, 1..., O|1)
-  ci, co = s.shape[0], s.shape[-1]
+  s = jnp.transpose(w.scale.astype(jnp.float32), _kernel_perm(geo))  # C/G|1 and O|1 sized
+  ci, co, kk = s.shape[0 if geo.channel_major else -2], s.shape[-1], math.prod(geo.window)
   if ci == 1:
     s = s.reshape(1, co)
+  elif geo.channel_major:
+    s = jnp.broadcast_to(s.reshape(ci, 1, co), (ci, kk, co)).reshape(geo.k, co)
   else:
-    s = jnp.broadcast_to(s.reshape(ci, 1, co), (ci, math.prod(geo.window), co)).reshape(geo.k, co)
+    s = jnp.broadcast_to(s.reshape(1, ci, co), (kk, ci, co)).reshape(geo.k, co)
   if geo.groups > 1:
     s = jnp.transpose(s.reshape(s.shape[0], geo.groups if co > 1 else 1, -1), (1, 0, 2))
   return qa.QArray(qvalue=kernel_matrix(w.qvalue, geo), scale=s, zero_point=None, qtype=w.qtype)
