@@ -15,7 +15,8 @@ Configs (the 3x3 and 1x1 convolutions of the residual stages quantized,
 * ``qtrain_int8``: int8 weights and activations, int8 gradients
   (``low_bit_uniform`` stochastic rounding); each convolution runs as
   patches x kernel matrix on the int8 GEMM (:mod:`qtrain.ops.im2col`).
-* ``qtrain_binary``: binary weights and activations (absmean scales), float backward.
+* ``qtrain_binary``: binary weights and activations (absmean scales), float backward; the
+  stages' ReLUs replaced by the identity (the next convolution binarizes: see ResNet18).
 
   python3 benchmarks/conv_step.py --out-dir $OUT          # on the GPU machine
   python3 benchmarks/conv_step.py --image 32 --batch 2 --steps 1 --repeats 1   # CPU smoke run
@@ -31,7 +32,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -56,23 +57,33 @@ _BF16 = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
 class BasicBlock(nn.Module):
   features: int
   strides: int = 1
+  act: Callable = nn.relu
 
   @nn.compact
   def __call__(self, x):
     y = nn.Conv(self.features, (3, 3), self.strides, padding=1, use_bias=False, name="conv1",
                 **_BF16)(x)
-    y = nn.relu(nn.BatchNorm(use_running_average=False, name="bn1", **_BF16)(y))
+    y = self.act(nn.BatchNorm(use_running_average=False, name="bn1", **_BF16)(y))
     y = nn.Conv(self.features, (3, 3), padding=1, use_bias=False, name="conv2", **_BF16)(y)
     y = nn.BatchNorm(use_running_average=False, name="bn2", **_BF16)(y)
     if x.shape[-1] != self.features or self.strides != 1:
       x = nn.Conv(self.features, (1, 1), self.strides, use_bias=False, name="down", **_BF16)(x)
       x = nn.BatchNorm(use_running_average=False, name="bn_down", **_BF16)(x)
-    return nn.relu(x + y)
+    return self.act(x + y)
+
+
+def _identity(x):
+  return x
 
 
 class ResNet18(nn.Module):
+  """``act``: the residual stages' activation; binary runs use the identity, since
+  the next convolution binarizes (the sign of a ReLU output is +1 everywhere: a
+  constant input that batch norm then divides by a vanishing deviation)."""
+
   classes: int = 1000
   stages: Sequence[int] = (64, 128, 256, 512)
+  act: Callable = nn.relu
 
   @nn.compact
   def __call__(self, x):
@@ -81,7 +92,7 @@ class ResNet18(nn.Module):
     x = nn.max_pool(x, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
     for i, f in enumerate(self.stages):
       for j in range(2):
-        x = BasicBlock(f, 2 if (i > 0 and j == 0) else 1, name=f"layer{i + 1}_{j}")(x)
+        x = BasicBlock(f, 2 if (i > 0 and j == 0) else 1, self.act, name=f"layer{i + 1}_{j}")(x)
     x = jnp.mean(x, axis=(1, 2))
     return nn.Dense(self.classes, name="head", **_BF16)(x)
 
@@ -99,8 +110,12 @@ def rules(name: str):
   raise ValueError(name)
 
 
+def _act(name: str) -> Callable:
+  return _identity if name == "qtrain_binary" else nn.relu
+
+
 def build(name: str):
-  model = ResNet18()
+  model = ResNet18(act=_act(name))
   if name == "bf16":
     return model, None
   return qtrain.quantize_model(model, qtrain.QtProvider(rules(name))), qtrain.RNG_STREAM
@@ -112,7 +127,7 @@ def time_config(name, image, batch, steps, repeats):
   x = jax.random.normal(kx, (batch, image, image, 3), jnp.float32).astype(jnp.bfloat16)
   y = jax.random.randint(ky, (batch,), 0, 1000)
   # float32 init cast to bf16 (flax initialisers run in bf16 give few distinct values).
-  init_model = ResNet18()
+  init_model = ResNet18(act=_act(name))
   variables = jax.jit(lambda k, x: init_model.init({"params": k}, x))(kp, x.astype(jnp.float32))
   # bf16 params; batch statistics stay float32 (what BatchNorm's update writes).
   variables = {**variables, "params": jax.tree.map(lambda v: v.astype(jnp.bfloat16),
