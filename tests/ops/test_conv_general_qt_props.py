@@ -315,6 +315,16 @@ def _along(s_full, axis):
   return t.reshape(t.shape[0], -1)[:, 0] if t.size else np.ones(t.shape[0])
 
 
+def _folded(g_abs, y, s_full, axis, g_axis):
+  """(|g| times y's scale laid on g's ``g_axis``, |y| / its scale): the gradient the op
+  quantizes after folding y's scale (varying along y's ``axis``) in, and the codes its
+  rounding error multiplies."""
+  s = _along(s_full, axis)
+  rest = g_abs.shape[:g_axis] + g_abs.shape[g_axis + 1:]
+  g2 = g_abs * np.moveaxis(np.broadcast_to(s, rest + (s.size,)), -1, g_axis)
+  return g2, np.where(s_full == 0, 0.0, np.abs(y) / np.where(s_full == 0, 1.0, s_full))
+
+
 def check_backward(case: ConvCase) -> None:
   lay = case.layout
   x = S.make(case.lv, lay.lhs_shape, case.ldtype)
@@ -359,17 +369,9 @@ def check_backward(case: ConvCase) -> None:
   gp_l = gp_r = np.abs(g64)
   if matmul:
     if case.rq is not None and qr.zero_point is None:
-      o_ax = lay.dimension_numbers[1].index("O")
-      s_o = _along(sb, o_ax)
-      gp_l = gp_l * np.moveaxis(np.broadcast_to(s_o, g64.shape[:c_ax] + g64.shape[c_ax + 1:]
-                                                + (s_o.size,)), -1, c_ax)
-      b_l = np.where(sb == 0, 0.0, np.abs(b) / np.where(sb == 0, 1.0, sb))
+      gp_l, b_l = _folded(gp_l, b, sb, lay.dimension_numbers[1].index("O"), c_ax)
     if case.lq is not None and ql.zero_point is None:
-      bn_ax = lay.dimension_numbers[0].index("N")
-      s_n = _along(sa, bn_ax)
-      gp_r = gp_r * np.moveaxis(np.broadcast_to(s_n, g64.shape[:n_ax] + g64.shape[n_ax + 1:]
-                                                + (s_n.size,)), -1, n_ax)
-      b_r = np.where(sa == 0, 0.0, np.abs(a) / np.where(sa == 0, 1.0, sa))
+      gp_r, b_r = _folded(gp_r, a, sa, lay.dimension_numbers[0].index("N"), n_ax)
   el = _grad_err(gp_l, case.dlhs, tuple(i for i in every if i != c_ax) if matmul else (n_ax,))
   er = _grad_err(gp_r, case.drhs, (c_ax,))
   if case.dlhs is None or not matmul:
