@@ -351,9 +351,9 @@ def render_kernels(recs: list[dict]) -> str:
   return "\n".join(lines + _runs_list("k", [used[s] for s in sorted(used)]))
 
 
-_STEP_ORDER = ("bf16", "qtrain_int8_lowbit", "qtrain_int8_cublas", "qtrain_int8",
+_STEP_ORDER = ("bf16", "qtrain_int8_lowbit", "qtrain_int8_hash", "qtrain_int8_cublas", "qtrain_int8",
                "qtrain_int8_kernel", "qtrain_int8_fwd", "qwix_int8", "qwix_int8_fwd",
-               "qtrain_fp8_nosr", "qtrain_fp8_nosr_xla", "qtrain_fp8_lowbit", "qtrain_fp8",
+               "qtrain_fp8_nosr", "qtrain_fp8_nosr_xla", "qtrain_fp8_lowbit", "qtrain_fp8_hash", "qtrain_fp8",
                "qwix_fp8", "qtrain_binary")
 
 
@@ -400,7 +400,7 @@ def render_train_step(recs: list[dict]) -> str:
   return "\n".join(lines + _runs_list("s", [used[s] for s in sorted(used)]))
 
 
-_LM_ORDER = ("bf16", "qtrain_int8", "qwix_int8", "qtrain_fp8", "qwix_fp8", "qtrain_int4w",
+_LM_ORDER = ("bf16", "qtrain_int8", "qtrain_int8_hash", "qwix_int8", "qtrain_fp8", "qwix_fp8", "qtrain_int4w",
              "qtrain_w1a8")
 
 

@@ -32,6 +32,7 @@ CONFIGS = {
     "float": None,
     "int8_nosr": [qtrain.QtRule(**_INT8)],
     "int8_sr_low": [qtrain.QtRule(**_INT8, bwd_stochastic_rounding="low_bit_uniform")],
+    "int8_sr_hash": [qtrain.QtRule(**_INT8, bwd_stochastic_rounding="low_bit_hash")],
     "fp8": [qtrain.QtRule(module_path=".*", weight_qtype="float8_e4m3fn",
                           act_qtype="float8_e4m3fn", bwd_qtype="float8_e5m2")],
     "w1a8": [qtrain.QtRule(module_path=".*", weight_qtype="binary", act_qtype="int8")],

@@ -18,6 +18,7 @@ the loss. The configs (``CONFIGS``):
 
   bf16          no quantization
   qtrain_int8   w8a8, int8 gradients, low_bit_uniform SR (train_step.py's qtrain_int8_lowbit)
+  qtrain_int8_hash  qtrain_int8 with low_bit_hash SR (the noise from a keyed hash, no PRNG)
   qtrain_fp8    e4m3 forward, e5m2 gradients, low_bit_uniform SR (train_step's qtrain_fp8_lowbit)
   qtrain_w1a8   binary weights (absmean scale per output channel), int8 activations, int8
                 gradients with low_bit_uniform SR
@@ -107,6 +108,7 @@ VOCAB = 256  # bytes
 CONFIGS = {
     "bf16": "no quantization",
     "qtrain_int8": "w8a8, int8 gradients, low_bit_uniform SR",
+    "qtrain_int8_hash": "w8a8, int8 gradients, low_bit_hash SR (noise from a keyed hash, no PRNG)",
     "qtrain_fp8": "e4m3 forward, e5m2 gradients, low_bit_uniform SR",
     "qtrain_w1a8": "binary weights (absmean), int8 activations, int8 gradients, low_bit_uniform SR",
     "qtrain_int4w": "int4 weights (per channel), int8 activations, int8 gradients, low_bit_uniform SR",
@@ -123,6 +125,9 @@ _INT8_GRADS = dict(bwd_qtype="int8", bwd_stochastic_rounding="low_bit_uniform")
 def qtrain_rules(name: str) -> list[qtrain.QtRule]:
   if name == "qtrain_int8":
     return [qtrain.QtRule(**_BLOCKS, weight_qtype="int8", act_qtype="int8", **_INT8_GRADS)]
+  if name == "qtrain_int8_hash":
+    return [qtrain.QtRule(**_BLOCKS, weight_qtype="int8", act_qtype="int8", bwd_qtype="int8",
+                          bwd_stochastic_rounding="low_bit_hash")]
   if name == "qtrain_fp8":
     return [qtrain.QtRule(**_BLOCKS, weight_qtype="float8_e4m3fn", act_qtype="float8_e4m3fn",
                           bwd_qtype="float8_e5m2", bwd_stochastic_rounding="low_bit_uniform")]

@@ -45,20 +45,23 @@ CONFIGS = {
     "bf16": "no quantization",
     "qtrain_int8_lowbit": "w8a8, int8 gradients, low_bit_uniform SR ('auto': the Mosaic GEMM on Hopper)",
     "qtrain_int8_cublas": "qtrain_int8_lowbit with the Mosaic GEMM off (XLA's cuBLAS int8 GEMM)",
+    "qtrain_int8_hash": "w8a8, int8 gradients, low_bit_hash SR (noise from a keyed hash, no PRNG)",
     "qtrain_int8": "w8a8, int8 gradients, uniform SR",
     "qtrain_int8_kernel": "qtrain_int8_lowbit forced onto the Pallas-Triton int8 kernel",
     "qtrain_int8_fwd": "w8a8 forward, float backward",
     "qtrain_fp8_nosr": "e4m3 forward, e5m2 gradients, round to nearest",
     "qtrain_fp8_nosr_xla": "qtrain_fp8_nosr with implementation='xla' (layouts left to XLA)",
     "qtrain_fp8_lowbit": "e4m3 forward, e5m2 gradients, low_bit_uniform SR",
+    "qtrain_fp8_hash": "e4m3 forward, e5m2 gradients, low_bit_hash SR",
     "qtrain_fp8": "e4m3 forward, e5m2 gradients, uniform SR",
     "qtrain_binary": "binary weights and activations (absmean scales), float backward",
     "qwix_int8": "qwix: w8a8, int8 gradients, uniform SR",
     "qwix_int8_fwd": "qwix: w8a8 forward, float backward",
     "qwix_fp8": "qwix: e4m3 forward, e5m2 gradients (qwix has no SR for fp8)",
 }
-DEFAULT_CONFIGS = ("bf16", "qtrain_int8_lowbit", "qtrain_int8_cublas", "qwix_int8", "qtrain_binary",
-                   "qtrain_fp8_nosr", "qtrain_fp8_lowbit", "qwix_fp8")
+DEFAULT_CONFIGS = ("bf16", "qtrain_int8_lowbit", "qtrain_int8_hash", "qtrain_int8_cublas", "qwix_int8",
+                   "qtrain_binary", "qtrain_fp8_nosr", "qtrain_fp8_lowbit", "qtrain_fp8_hash",
+                   "qwix_fp8")
 
 
 class Block(nn.Module):
@@ -86,21 +89,25 @@ class MLP(nn.Module):
 
 def qtrain_rules(name: str):
   common = dict(module_path=r".*")
-  if name in ("qtrain_int8", "qtrain_int8_lowbit", "qtrain_int8_kernel", "qtrain_int8_cublas"):
-    # _lowbit: 8-bit stochastic-rounding noise (a quarter of the PRNG work);
+  if name in ("qtrain_int8", "qtrain_int8_lowbit", "qtrain_int8_hash", "qtrain_int8_kernel",
+              "qtrain_int8_cublas"):
+    # _lowbit: 8-bit stochastic-rounding noise (a quarter of the PRNG work); _hash: the same
+    # 8 bits from a keyed integer hash instead of the PRNG;
     # _kernel: also every quantized product forced onto the Pallas int8
     # kernel (bf16 written by its epilogue instead of XLA's int32 + convert).
     # _cublas: "auto" without the Mosaic GEMM (every product on XLA's cuBLAS int8 GEMM).
-    sr = "uniform" if name == "qtrain_int8" else "low_bit_uniform"
+    sr = {"qtrain_int8": "uniform", "qtrain_int8_hash": "low_bit_hash"}.get(name, "low_bit_uniform")
     impl = "triton" if name == "qtrain_int8_kernel" else "auto"
     return [qtrain.QtRule(**common, weight_qtype="int8", act_qtype="int8", bwd_qtype="int8",
                           bwd_stochastic_rounding=sr, implementation=impl)]
   if name == "qtrain_int8_fwd":
     return [qtrain.QtRule(**common, weight_qtype="int8", act_qtype="int8")]
-  if name in ("qtrain_fp8", "qtrain_fp8_lowbit", "qtrain_fp8_nosr", "qtrain_fp8_nosr_xla"):
+  if name in ("qtrain_fp8", "qtrain_fp8_lowbit", "qtrain_fp8_hash", "qtrain_fp8_nosr",
+              "qtrain_fp8_nosr_xla"):
     # _nosr: round-to-nearest e5m2 gradients (what qwix's fp8 rule does);
     # _xla: operand layouts left to XLA (no Pallas GEMM-layout transposes).
-    sr = {"qtrain_fp8": "uniform", "qtrain_fp8_lowbit": "low_bit_uniform"}.get(name)
+    sr = {"qtrain_fp8": "uniform", "qtrain_fp8_lowbit": "low_bit_uniform",
+          "qtrain_fp8_hash": "low_bit_hash"}.get(name)
     impl = "xla" if name.endswith("_xla") else "auto"
     return [qtrain.QtRule(**common, weight_qtype="float8_e4m3fn", act_qtype="float8_e4m3fn",
                           bwd_qtype="float8_e5m2", bwd_stochastic_rounding=sr,

@@ -100,8 +100,8 @@ class QtRule:
     bwd_qtype: qtype of the incoming gradient in both backward products
       (int2..int8 or fp8), or None for a float backward.
     bwd_calibration_method: calibration of the gradient (symmetric methods).
-    bwd_stochastic_rounding: ``None``, ``"uniform"`` or
-      ``"low_bit_uniform"``; keys come from the Flax RNG stream
+    bwd_stochastic_rounding: ``None``, ``"uniform"``, ``"low_bit_uniform"``
+      or ``"low_bit_hash"`` (:mod:`qtrain.core.rounding`); keys come from the Flax RNG stream
       ``"quant"`` (see :data:`qtrain.RNG_STREAM`).
 
   Where it runs:

@@ -155,8 +155,9 @@ class QuantizeSpec:
     tiled_axes: ``{axis: tile_size}``: group-wise scales along ``axis``, one per
       ``tile_size`` consecutive values (the size must divide the axis).
     calibration: a :class:`Calibration` or a method name.
-    stochastic_rounding: ``None`` (round to nearest even), ``"uniform"`` or
-      ``"low_bit_uniform"`` (see :mod:`qtrain.core.rounding`); needs a key.
+    stochastic_rounding: ``None`` (round to nearest even) or one of
+      :data:`~qtrain.core.rounding.STOCHASTIC_METHODS` (see :mod:`qtrain.core.rounding`);
+      needs a key.
   """
 
   qtype: object
@@ -398,7 +399,9 @@ def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | 
   gmax = lambda v: jnp.max(v, axis=red, keepdims=True, initial=0.0)
   # Which groups hold NaN/Inf, from the data: a max reduction cannot be trusted to carry a NaN
   # (XLA's CPU reduce-max drops it in large reductions: 4200 values holding NaNs gave 1.0).
-  data_finite = jnp.all(jnp.isfinite(xs), axis=red, keepdims=True)
+  # A sum of x * 0 is NaN exactly where a NaN or Inf is (0 otherwise): a float sum beside the
+  # bound's reduction, where isfinite + reduce_and is a separate boolean reduction.
+  data_finite = jnp.sum(xs * 0.0, axis=red, keepdims=True) == 0
   if cal.method == "minmax":
     s, zp = _calibrate_minmax(gmin(xs), gmax(xs), qt, cal.multiplier, out_shape)
     return jnp.where(data_finite.reshape(out_shape), s, jnp.nan), zp

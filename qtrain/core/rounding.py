@@ -14,6 +14,16 @@ Methods:
     1.14x with ``"uniform"``).
     The rounding probability is quantized to 1/256 steps: bias <= 1/512 of
     a step.
+  * ``"low_bit_hash"``: ``"low_bit_uniform"``'s 8 bits per element, taken
+    from a keyed integer hash of each word's index instead of JAX's PRNG
+    (:func:`hash_words`). The hash is a handful of integer operations per
+    word where threefry runs 20 rounds, so it compiles and runs far cheaper
+    (the noise of every quantized gradient sits inside the quantization
+    fusion); it is a statistical generator, not a cryptographic one: each
+    key gives a fixed permutation of the word indices, scrambled. Same
+    bias bound as ``"low_bit_uniform"``. The key's bits come from
+    ``jax.random.key_data``, so any key implementation works; different
+    keys give different noise.
 
 Both work for integer qtypes (the step is 1) and for fp8 qtypes (the step is
 the fp8 spacing at ``y``, so the result is one of the two fp8 neighbours).
@@ -29,13 +39,15 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from qtrain.core import qtypes
 
-STOCHASTIC_METHODS: tuple[str, ...] = ("uniform", "low_bit_uniform")
+STOCHASTIC_METHODS: tuple[str, ...] = ("uniform", "low_bit_uniform", "low_bit_hash")
 
 
 def check_stochastic_method(value, field: str = "stochastic_rounding") -> str | None:
@@ -51,7 +63,9 @@ def _noise(key: jax.Array, shape, method: str) -> jax.Array:
   if method == "uniform":
     return jax.random.uniform(key, shape, jnp.float32)
   if method == "low_bit_uniform":
-    return (_bytes(key, shape).astype(jnp.float32) + 0.5) * (1.0 / 256.0)
+    return (_bytes(key, shape, _random_words).astype(jnp.float32) + 0.5) * (1.0 / 256.0)
+  if method == "low_bit_hash":
+    return (_bytes(key, shape, hash_words).astype(jnp.float32) + 0.5) * (1.0 / 256.0)
   raise ValueError(f"Unknown stochastic rounding method={method!r}; valid: {list(STOCHASTIC_METHODS)}")
 
 
@@ -60,15 +74,58 @@ def _random_words(key: jax.Array, shape) -> jax.Array:
   return jax.random.bits(key, shape, jnp.uint32)
 
 
-def _bytes(key: jax.Array, shape) -> jax.Array:
+# Two rounds of xor-shift-multiply: the constants and shifts of "lowbias32"
+# from Chris Wellons' hash-prospector (a bijection of uint32 whose output bits
+# each flip with probability ~1/2 for any flipped input bit).
+_MIX = ((16, 0x7FEB352D), (15, 0x846CA68B))
+_GOLDEN = 0x9E3779B9
+
+
+def _mix32(x: jax.Array) -> jax.Array:
+  for shift, mult in _MIX:
+    x = (x ^ (x >> shift)) * jnp.uint32(mult)
+  return x ^ (x >> 16)
+
+
+def hash_words(key: jax.Array, shape) -> jax.Array:
+  """Uniform uint32 words of ``shape`` from a keyed hash of each word's row-major index.
+
+  The key's data (``jax.random.key_data``, any implementation) is folded
+  into two 32-bit seeds; word ``i`` is ``mix(mix(i ^ s0) + s1)`` (``mix``: a
+  bijective 32-bit finalizer), a key-dependent permutation of the indices,
+  so no two words of one call repeat. Up to 2**32 words per call.
+
+  Raises:
+    ValueError: for a shape of more than 2**32 words (the index is 32-bit).
+  """
+  shape = tuple(int(n) for n in shape)
+  size = math.prod(shape)
+  if size > 2**32:
+    raise ValueError(f"stochastic_rounding='low_bit_hash' draws at most 2**32 words (4 * 2**32 "
+                     f"elements) per quantized array; got {size} words for shape {shape}: use "
+                     f"'low_bit_uniform'")
+  data = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
+  s0, s1 = jnp.uint32(_GOLDEN), jnp.uint32(~_GOLDEN & 0xFFFFFFFF)
+  for i in range(data.shape[0]):
+    s0 = _mix32(s0 ^ data[i])
+    s1 = _mix32(s1 + data[i])
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    index = index + lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % 2**32)
+    stride *= shape[axis]
+  return _mix32(_mix32(index ^ s0) + s1)
+
+
+def _bytes(key: jax.Array, shape, words_fn) -> jax.Array:
   """Independent uniform bytes (as uint32 in [0, 256)): the 4 bytes of each
-  32-bit word of ``jax.random.bits`` go to 4 consecutive elements of the last
-  axis (``jax.random.bits(..., jnp.uint8)`` would spend one word per byte)."""
+  32-bit word of ``words_fn(key, shape)`` go to 4 consecutive elements of the
+  last axis (``jax.random.bits(..., jnp.uint8)`` would spend one word per byte)."""
   shape = tuple(shape)
   if not shape:
-    return _random_words(key, ()) & 0xFF
+    return words_fn(key, ()) & 0xFF
   n = shape[-1]
-  words = _random_words(key, shape[:-1] + (-(-n // 4),))
+  words = words_fn(key, shape[:-1] + (-(-n // 4),))
   shifts = jnp.arange(0, 32, 8, dtype=jnp.uint32)
   b = (words[..., None] >> shifts) & 0xFF
   return b.reshape(shape[:-1] + (4 * words.shape[-1],))[..., :n]  # no -1: shapes may be empty

@@ -92,7 +92,7 @@ class GradQuant:
   Attributes:
     qtype: qtype name or dtype (int8 and fp8 are the useful ones).
     calibration: method for the gradient's scale (symmetric only).
-    stochastic_rounding: ``None``, ``"uniform"`` or ``"low_bit_uniform"``;
+    stochastic_rounding: ``None`` or one of :data:`qtrain.core.rounding.STOCHASTIC_METHODS`;
       works for integer and fp8 qtypes alike.
   """
 

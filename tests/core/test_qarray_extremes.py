@@ -195,7 +195,7 @@ def _check_minmax(q, x64, g, s, s32, deq, y, cw, tiles):
 
 
 @pytest.mark.parametrize("qtype", ["int8", "int4", "float8_e4m3fn", "float8_e5m2"])
-@pytest.mark.parametrize("method", ["uniform", "low_bit_uniform"])
+@pytest.mark.parametrize("method", ["uniform", "low_bit_uniform", "low_bit_hash"])
 def test_stochastic_rounding_at_the_extremes_gives_a_neighbour(qtype, method):
   # With the floored / capped scales: y reaches the top of the fp8 range (the
   # absmax element lands on qmax, its neighbour above is clipped away) and the

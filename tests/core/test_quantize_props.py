@@ -49,7 +49,7 @@ def quantize_cases(draw, *, max_rank: int, max_size: int):
   qt = draw(st.sampled_from(S.QTYPES))
   cal = draw(S.calibrations(qt, v.nominal(dtype)))
   cw, tiles = draw(S.grids(shape))
-  sr = draw(st.sampled_from([None, None, "uniform", "low_bit_uniform"]))
+  sr = draw(st.sampled_from([None, None, "uniform", "low_bit_uniform", "low_bit_hash"]))
   return dtype, shape, v, qarray.QuantizeSpec(qtype=qt, channelwise_axes=cw, tiled_axes=tiles,
                                               calibration=cal, stochastic_rounding=sr)
 
@@ -208,7 +208,7 @@ def test_quantize_contract_deep(case):
 N_SR = 1 << 16
 
 
-@pytest.mark.parametrize("method", ["uniform", "low_bit_uniform"])
+@pytest.mark.parametrize("method", ["uniform", "low_bit_uniform", "low_bit_hash"])
 @pytest.mark.parametrize("qtype", S.QTYPES)
 def test_stochastic_rounding_unbiased(qtype, method):
   """mean((q - y) / step) over N values y spread over the range is 0 within
@@ -242,5 +242,5 @@ def test_stochastic_rounding_unbiased(qtype, method):
   p = (y - lo) / step
   d = (qv - y) / step
   sigma = np.sqrt(np.sum(p * (1 - p))) / N_SR
-  bias = 1 / 512 if method == "low_bit_uniform" else float(np.mean(2 * R.U32 * (np.abs(y) + 1) / step)) + 2.0 ** -23
+  bias = 1 / 512 if method.startswith("low_bit") else float(np.mean(2 * R.U32 * (np.abs(y) + 1) / step)) + 2.0 ** -23
   assert abs(d.mean()) <= 6 * sigma + bias, (d.mean(), sigma, bias)

@@ -19,7 +19,8 @@ from qtrain.core import qtypes, rounding
 Z_MAX = 4.0
 INT8 = qtypes.get_qtype("int8")
 METHODS = list(rounding.STOCHASTIC_METHODS)
-LOW_BIT_BIAS = 1.0 / 512  # documented bound of low_bit_uniform, in steps
+LOW_BIT_BIAS = 1.0 / 512  # documented bound of the low_bit_* methods, in steps
+LOW_BIT = ("low_bit_uniform", "low_bit_hash")
 
 
 @functools.partial(jax.jit, static_argnames=("qt", "method", "n"))
@@ -49,12 +50,12 @@ def test_int_sr_is_unbiased_and_error_shrinks_like_one_over_sqrt_n(method):
     sigma = np.sqrt(f * (1 - f) / n)
     # Aggregate bias: the mean error over all 512 values is within Z_MAX sigma.
     bias_sigma = np.sqrt(np.sum(sigma ** 2)) / len(y)
-    extra = LOW_BIT_BIAS if method == "low_bit_uniform" else 0.0
+    extra = LOW_BIT_BIAS if method in LOW_BIT else 0.0
     assert abs(err.mean()) <= Z_MAX * bias_sigma + extra
     # Per value: the spread is the Bernoulli spread (rms z ~ 1; 512 values
     # give it a std of ~0.03, so [0.85, 1.15] is a 5-sigma band).
     z = err / sigma
-    assert 0.85 <= np.sqrt(np.mean(z ** 2)) <= 1.15 + (0.1 if method == "low_bit_uniform" else 0)
+    assert 0.85 <= np.sqrt(np.mean(z ** 2)) <= 1.15 + (0.1 if method in LOW_BIT else 0)
     rms[n] = np.sqrt(np.mean(err ** 2))
   # 16x the samples: 4x smaller error (each rms known to ~3%).
   assert 3.3 <= rms[64] / rms[1024] <= 4.8, rms
@@ -66,7 +67,7 @@ def test_round_to_nearest_is_biased_where_sr_is_not():
   for method in METHODS:
     s = np.asarray(rounding.stochastic_round(y, INT8, jax.random.key(3), method=method), np.float64)
     sigma = np.sqrt(0.3 * 0.7 / y.size)
-    assert abs(s.mean() - 0.3) <= Z_MAX * sigma + (LOW_BIT_BIAS if method == "low_bit_uniform" else 0)
+    assert abs(s.mean() - 0.3) <= Z_MAX * sigma + (LOW_BIT_BIAS if method in LOW_BIT else 0)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -96,7 +97,8 @@ def test_same_key_same_result_different_key_different(method):
   assert np.mean(np.asarray(a) != np.asarray(c)) > 0.2  # E = 2 f (1 - f) ~ 0.33
 
 
-def test_low_bit_uniform_bias_is_within_documented_bound():
+@pytest.mark.parametrize("method", LOW_BIT)
+def test_low_bit_bias_is_within_documented_bound(method):
   # Rounding probabilities are quantized to 1/256 steps: bias <= 1/512 of a
   # step. Fractions near 0 and 1 (where the sampling sigma is tiny) and at
   # half-steps of the 1/256 grid (where the bias is largest).
@@ -104,7 +106,7 @@ def test_low_bit_uniform_bias_is_within_documented_bound():
                     0.997, 1 - 1 / 512 + 1e-4], np.float32)
   n = 1 << 18
   y = jnp.asarray(3.0 + fracs)
-  s = np.asarray(_sr_samples(y, jax.random.key(9), INT8, "low_bit_uniform", n), np.float64)
+  s = np.asarray(_sr_samples(y, jax.random.key(9), INT8, method, n), np.float64)
   p_up = (s == 4.0).mean(0)
   sigma = np.sqrt(np.maximum(p_up * (1 - p_up), 1.0 / n) / n)
   bias = p_up - fracs.astype(np.float64)
@@ -154,12 +156,12 @@ def test_fp8_sr_gives_a_neighbour_and_is_unbiased(qtype, method):
   p = np.where(step > 0, (y - lo) / np.where(step > 0, step, 1), 0.0)
   sigma = step * np.sqrt(p * (1 - p) / n)
   err = s.mean(0) - y
-  extra = LOW_BIT_BIAS * step if method == "low_bit_uniform" else 0.0
+  extra = LOW_BIT_BIAS * step if method in LOW_BIT else 0.0
   # Per value, relative to its own step: aggregate bias within Z_MAX sigma.
   ok = step > 0
   zb = (err[ok] / step[ok]).mean()
   zsig = np.sqrt(np.sum((sigma[ok] / step[ok]) ** 2)) / ok.sum()
-  assert abs(zb) <= Z_MAX * zsig + (LOW_BIT_BIAS if method == "low_bit_uniform" else 0.0)
+  assert abs(zb) <= Z_MAX * zsig + (LOW_BIT_BIAS if method in LOW_BIT else 0.0)
   assert np.all(np.abs(err) <= 5.5 * sigma + extra + 1e-30)
   assert np.all(s[:, ~ok] == y[~ok])  # representable values are exact
 
@@ -246,13 +248,14 @@ def test_low_bit_uniform_spends_one_prng_word_per_four_elements():
     assert full == [8 * 1024], full
 
 
+@pytest.mark.parametrize("method", LOW_BIT)
 @pytest.mark.parametrize("shape", [(), (5,), (3, 7), (2, 4, 9)])
-def test_low_bit_uniform_every_lane_of_a_word_is_unbiased(shape):
+def test_low_bit_every_lane_of_a_word_is_unbiased(shape, method):
   # Elements 4j..4j+3 share one PRNG word (one byte each); each byte lane must
   # round with the right probability, ragged last axes included.
   n = 1 << 14
   y = jnp.full(shape, 2.0 + 0.3, jnp.float32)
-  s = np.asarray(_sr_samples(y, jax.random.key(12), INT8, "low_bit_uniform", n), np.float64)
+  s = np.asarray(_sr_samples(y, jax.random.key(12), INT8, method, n), np.float64)
   assert s.shape == (n,) + shape
   assert np.all((s == 2.0) | (s == 3.0))
   p = (s == 3.0).mean(0)
@@ -281,3 +284,76 @@ def test_sr_saturates_at_float32_extremes(qtype, method):
     assert np.all(out[[0, 2, 4]] == qt.qmax), out
     assert np.all(out[[1, 3]] == qt.qmin), out
     assert out[5] in (-qt.qmax, qt.qmin), out  # just below -qmax: -qmax or (SR) qmin
+
+
+# ----------------------------------------------------------------------------
+# low_bit_hash: the keyed hash behind the noise.
+
+
+def _chi2_bound(dof: int) -> float:
+  # Wilson-Hilferty: the chi-square quantile at ~Z_MAX sigma for dof degrees of freedom.
+  return dof * (1 - 2 / (9 * dof) + Z_MAX * np.sqrt(2 / (9 * dof))) ** 3
+
+
+def test_hash_words_bytes_are_uniform_and_uncorrelated():
+  w = np.asarray(rounding.hash_words(jax.random.key(21), (64, 4096)), np.uint32).reshape(-1)
+  assert np.unique(w).size == w.size  # a permutation of the indices: no repeats
+  for lane in range(4):  # each byte lane, and the 16-bit halves, are uniform
+    b = (w >> (8 * lane)) & 0xFF
+    counts = np.bincount(b, minlength=256)
+    expected = w.size / 256
+    assert np.sum((counts - expected) ** 2 / expected) <= _chi2_bound(255), lane
+  # Neighbouring words (consecutive indices) and the bits of one word are uncorrelated.
+  bits = ((w[:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.float64)
+  n = bits.shape[0]
+  assert np.all(np.abs(bits.mean(0) - 0.5) <= Z_MAX * 0.5 / np.sqrt(n))
+  lag = np.mean((bits[1:] - 0.5) * (bits[:-1] - 0.5), axis=0) / 0.25
+  assert np.all(np.abs(lag) <= Z_MAX / np.sqrt(n - 1)), lag
+  within = np.corrcoef(bits[:, ::5].T)[np.triu_indices(7, 1)]
+  assert np.all(np.abs(within) <= Z_MAX / np.sqrt(n)), within
+
+
+def test_hash_words_depend_on_every_key_word_and_on_shape_position():
+  shape = (16, 257)
+  base = np.asarray(rounding.hash_words(jax.random.key(3), shape))
+  data = jax.random.key_data(jax.random.key(3))
+  for i in range(data.shape[0]):  # flipping one bit of any key word changes ~half the bits
+    flipped = jax.random.wrap_key_data(data.at[i].set(data[i] ^ 1))
+    other = np.asarray(rounding.hash_words(flipped, shape))
+    frac = np.mean(np.unpackbits((base ^ other).view(np.uint8)))
+    assert abs(frac - 0.5) <= Z_MAX * 0.5 / np.sqrt(base.size * 32), (i, frac)
+  # A word's value depends on its row-major index alone: the same index in another shape
+  # gives the same word, so one call's words never repeat another part of itself.
+  flat = np.asarray(rounding.hash_words(jax.random.key(3), (16 * 257,)))
+  np.testing.assert_array_equal(flat.reshape(shape), base)
+  # Jitted and vmapped over keys: the same words as one call per key.
+  keys = jax.random.split(jax.random.key(4), 3)
+  vm = jax.jit(jax.vmap(lambda k: rounding.hash_words(k, (5, 6))))(keys)
+  for i in range(3):
+    np.testing.assert_array_equal(np.asarray(vm[i]), np.asarray(rounding.hash_words(keys[i], (5, 6))))
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "unsafe_rbg"])
+def test_low_bit_hash_takes_any_key_implementation(impl):
+  y = jnp.full((1 << 16,), 0.3, jnp.float32)
+  k1, k2 = jax.random.key(1, impl=impl), jax.random.key(2, impl=impl)
+  a = np.asarray(rounding.stochastic_round(y, INT8, k1, method="low_bit_hash"), np.float64)
+  b = np.asarray(rounding.stochastic_round(y, INT8, k2, method="low_bit_hash"), np.float64)
+  sigma = np.sqrt(0.3 * 0.7 / y.size)
+  assert abs(a.mean() - 0.3) <= Z_MAX * sigma + LOW_BIT_BIAS
+  assert np.mean(a != b) > 0.35  # E = 2 p (1 - p) = 0.42 for independent draws
+
+
+def test_low_bit_hash_runs_no_prng_call():
+  y = jnp.asarray(np.random.default_rng(11).normal(size=(8, 1024)) * 30, jnp.float32)
+  fn = lambda y, k: rounding.stochastic_round(y, INT8, k, method="low_bit_hash")
+  assert _threefry_sizes(fn, y, jax.random.key(0)) == []
+  jaxpr = str(jax.make_jaxpr(fn)(y, jax.random.key(0)))
+  assert "random_bits" not in jaxpr and "threefry" not in jaxpr
+
+
+def test_hash_words_refuses_more_than_2_to_the_32_words():
+  with pytest.raises(ValueError, match=r"at most 2\*\*32 words.*4294967298 words.*low_bit_uniform"):
+    jax.eval_shape(lambda k: rounding.hash_words(k, (2, 2**31 + 1)), jax.random.key(0))
+  # The largest allowed shape traces.
+  assert jax.eval_shape(lambda k: rounding.hash_words(k, (2**32,)), jax.random.key(0)).shape == (2**32,)

@@ -186,7 +186,7 @@ def test_quantization_gpu_matches_cpu_bit_exactly(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "int8"])
-@pytest.mark.parametrize("method", ["uniform", "low_bit_uniform"])
+@pytest.mark.parametrize("method", ["uniform", "low_bit_uniform", "low_bit_hash"])
 def test_stochastic_rounding_gpu_matches_cpu_bit_exactly(dtype, method):
   # Same key, same bits: threefry words, the byte split of low_bit_uniform and
   # the fp8 bit-pattern rounding are integer ops, identical on both backends.
