@@ -1,4 +1,4 @@
-"""Binary (1-bit) and low-bit (MPQ) layer presets: bitorch-engine, larq, XNOR-Net.
+"""Binary (1-bit), ternary and low-bit layer presets: bitorch-engine, larq, XNOR-Net, BitNet b1.58, MPQ.
 
 A :class:`LayerQuant` says how one linear or convolution layer is quantized:
 the forward quantization of its input (``act``) and weight (``weight``) as
@@ -69,8 +69,8 @@ from qtrain.core import qarray
 from qtrain.ops import config as cfg_lib
 from qtrain.rules import QtRule
 
-__all__ = ["LayerQuant", "bitorch", "larq", "xnor", "mpq", "weight_only", "PRESETS", "get_preset",
-           "rules"]
+__all__ = ["LayerQuant", "bitorch", "larq", "xnor", "mpq", "bitnet_b158", "weight_only", "PRESETS",
+           "get_preset", "rules"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,21 +152,31 @@ class LayerQuant:
     """
 
     w, a = self.weight, self.act
-    if a is not None and w is not None and not self.learn_act_scale and \
-        a.channelwise != w.channelwise and a.calibration.method != "fixed":
-      raise ValueError("QtRule has one channelwise switch for both operands; this LayerQuant "
-                       f"uses act.channelwise={a.channelwise}, weight.channelwise={w.channelwise}")
     if self.dlhs_grad != self.drhs_grad:
       raise ValueError("QtRule has one bwd_qtype for both backward products")
     g = self.drhs_grad
-    channelwise = w.channelwise if w is not None else (a.channelwise if a is not None else True)
+    # Each operand's granularity in its own field; per-tensor tiles (no per-operand name) go
+    # through the shared disable_channelwise_axes + tile_size, which one operand at most may use.
+    shared = [(n, oq) for n, oq in (("weight", w), ("act", a))
+              if oq is not None and not oq.channelwise and oq.tile_size]
+    if len(shared) > 1 and shared[0][1].tile_size != shared[1][1].tile_size:
+      raise ValueError("per-tensor tiles of different sizes on both operands: a QtRule has one "
+                       f"tile_size for those (weight {w.tile_size}, act {a.tile_size})")
+
+    def granularity(oq, per_row: str, *, conv: bool):
+      if oq is None or (not oq.channelwise and oq.tile_size and not conv):
+        return None
+      if oq.tile_size and not conv:
+        return oq.tile_size
+      return per_row if oq.channelwise else "per_tensor"
+
     kw = dict(
         module_path=module_path,
         weight_qtype=None if w is None else w.qtype.name,
         act_qtype=None if a is None else a.qtype.name,
         weight_calibration_method=w.calibration if w is not None else "absmax",
         act_calibration_method=a.calibration if a is not None else "absmax",
-        disable_channelwise_axes=not channelwise,
+        disable_channelwise_axes=bool(shared),
         weight_estimator=w.estimator if w is not None else "ste",
         act_estimator=a.estimator if a is not None else "ste",
         act_learnable_scale=self.learn_act_scale, act_scale_init=self.act_scale_init,
@@ -176,11 +186,17 @@ class LayerQuant:
         bwd_calibration_method=g.calibration if g is not None else "absmax",
         bwd_stochastic_rounding=None if g is None else g.stochastic_rounding,
         implementation=self.implementation)
-    tile = w.tile_size if w is not None else None
-    if tile is None:
-      return [QtRule(**kw)]
-    return [QtRule(op_names=("dot_general", "einsum"), tile_size=tile, **kw),
-            QtRule(op_names=("conv_general_dilated",), **kw)]
+    tile = shared[0][1].tile_size if shared else None
+
+    def rule(conv: bool, **extra):
+      return QtRule(**kw, **extra, tile_size=None if conv else tile,
+                    weight_granularity=granularity(w, "per_channel", conv=conv),
+                    act_granularity=granularity(a, "per_token", conv=conv))
+
+    if not any(oq is not None and oq.tile_size for oq in (w, a)):
+      return [rule(False)]
+    return [rule(False, op_names=("dot_general", "einsum")),
+            rule(True, op_names=("conv_general_dilated",))]
 
   @classmethod
   def from_rule(cls, rule, *, conv: bool = False) -> "LayerQuant":
@@ -193,11 +209,12 @@ class LayerQuant:
       if qt is None:
         return None
       learned = (not weight) and rule.act_learnable_scale
+      channelwise, tile_size = rule.granularity(weight=weight)
       return cfg_lib.OperandQuant(
           qtype=qt,
           calibration=rule.weight_calibration_method if weight else rule.act_calibration_method,
-          channelwise=not rule.disable_channelwise_axes,
-          tile_size=None if (conv or learned) else rule.tile_size,
+          channelwise=channelwise,
+          tile_size=None if (conv or learned) else tile_size,
           estimator=rule.weight_estimator if weight else rule.act_estimator,
           scale_grad=rule.act_scale_grad if learned else "lsq")
 
@@ -303,6 +320,34 @@ def mpq(*, bits: int = 4, group_size: int | None = 64, asymmetric: bool = True,
                     name=f"w{bits}g{group_size or 'ch'}" + ("a" if asymmetric else "s"))
 
 
+def bitnet_b158(*, implementation: str = "auto") -> LayerQuant:
+  """BitNet b1.58 (Ma et al., 2024): ternary weights, 8-bit activations.
+
+  * Weights: ternary {-1, 0, +1} with one scale per tensor, ``mean|W|``
+    (``absmean``): ``W_q = clip(round(W / mean|W|), -1, 1) * mean|W|``.
+  * Activations: int8 with one scale per token, ``max|x| / 127``
+    (``absmax``): ``x_q = round(x * 127 / max|x|) * max|x| / 127``.
+  * Gradients: the straight-through estimator through both roundings (no
+    clipping), float backward; the latent weights stay float (bf16/float32)
+    in the optimizer.
+
+  The products run as int8 x int8 -> int32 (the int8 GEMM on a GPU); after
+  :func:`qtrain.freeze.freeze` the ternary weights are stored packed in 2 bits.
+
+  What the preset does not do (the model's part, as in the paper's BitLinear):
+  BitNet normalises every quantized layer's input (a LayerNorm / RMSNorm
+  right before each projection, "SubLN"), keeps the embeddings, the output
+  head and the norms in high precision, and trains with a larger learning
+  rate than the float model and a two-stage schedule (weight decay switched
+  off halfway). Put the norms in the model and the first / last layers in a
+  float rule (``QtRule(module_path="head")``) before the preset's rule.
+  """
+  weight = cfg_lib.OperandQuant(qtype="ternary", calibration="absmean", channelwise=False,
+                                estimator="ste")
+  act = cfg_lib.OperandQuant(qtype="int8", calibration="absmax", channelwise=True, estimator="ste")
+  return LayerQuant(weight=weight, act=act, implementation=implementation, name="bitnet_b158")
+
+
 def weight_only(qtype: str, **operand_kw) -> LayerQuant:
   """Weights quantized to ``qtype`` (any OperandQuant fields), float inputs."""
   return LayerQuant(weight=cfg_lib.OperandQuant(qtype=qtype, **operand_kw), name=f"w_{qtype}")
@@ -317,6 +362,7 @@ PRESETS = {
     "w8": lambda: mpq(bits=8, group_size=64),
     "w4": lambda: mpq(bits=4, group_size=64),
     "w2": lambda: mpq(bits=2, group_size=32),
+    "bitnet_b158": bitnet_b158,
 }
 
 

@@ -319,11 +319,12 @@ class QtProvider:
     qt = rule.weight_qtype if weight else rule.act_qtype
     if qt is None:
       return None
+    channelwise, tile_size = rule.granularity(weight=weight)
     return cfg_lib.OperandQuant(
         qtype=qt,
         calibration=rule.weight_calibration_method if weight else rule.act_calibration_method,
-        channelwise=not rule.disable_channelwise_axes,
-        tile_size=None if (conv or (given_scale and not weight)) else rule.tile_size,
+        channelwise=channelwise,
+        tile_size=None if (conv or (given_scale and not weight)) else tile_size,
         estimator=rule.weight_estimator if weight else rule.act_estimator,
         scale_grad=(rule.act_scale_grad if (not weight and rule.act_learnable_scale) else "lsq"))
 
@@ -488,9 +489,13 @@ class QtProvider:
         raise NotImplementedError(
             f"qtrain: conv_general_dilated in module {path!r} was called with out_sharding=; "
             "quantized ops do not take out_sharding")
-      if rule.tile_size is not None:
-        raise ValueError(f"tile_size={rule.tile_size} is set, and convolutions take no "
-                         "tile_size (restrict the rule with op_names=('dot_general', 'einsum'))")
+      for name, weight in (("weight", True), ("act", False)):
+        if rule.granularity(weight=weight)[1] is not None and \
+            (rule.weight_qtype if weight else rule.act_qtype) is not None:
+          field = "tile_size" if (rule.weight_granularity if weight else rule.act_granularity) \
+              is None else f"{name}_granularity"
+          raise ValueError(f"{field}={getattr(rule, field)} is set, and convolutions take no "
+                           "tile_size (restrict the rule with op_names=('dot_general', 'einsum'))")
       cdn = jax.lax.conv_dimension_numbers(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
       act, act_scale = lhs, None
       if rule.act_qtype is not None:

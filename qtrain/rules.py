@@ -42,6 +42,11 @@ from qtrain.core import rounding
 from qtrain.ops import config as cfg_lib
 
 OP_NAMES: tuple[str, ...] = ("dot_general", "einsum", "conv_general_dilated")
+# Per-operand scale granularities (an int N: per channel / per token, in tiles of N along the
+# contraction). A weight's non-contracting axes are its output channels, an activation's its
+# tokens (rows): the same scale layout, named for what it is on each side.
+WEIGHT_GRANULARITIES: tuple[str, ...] = ("per_tensor", "per_channel")
+ACT_GRANULARITIES: tuple[str, ...] = ("per_tensor", "per_token")
 STATIC_SCALE_AVERAGING: tuple[str, ...] = ("mean", "ema")
 
 
@@ -69,6 +74,16 @@ class QtRule:
       ``percentile``) or a :class:`qtrain.core.Calibration`.
     disable_channelwise_axes: one scale per tensor (per tile with
       ``tile_size``) instead of one per row / output channel.
+    weight_granularity, act_granularity: the scale granularity of one
+      operand, where it should differ from the other's (``tile_size`` and
+      ``disable_channelwise_axes`` set both). None (default): from those two
+      fields. Otherwise one of :data:`WEIGHT_GRANULARITIES` /
+      :data:`ACT_GRANULARITIES`: ``"per_tensor"`` (one scale), ``"per_channel"``
+      (a weight: one scale per output channel), ``"per_token"`` (activations:
+      one per row, i.e. per index of every non-contracting axis), or an int
+      ``N``: per channel / per token, in tiles of ``N`` along the contraction.
+      BitNet b1.58 is ``weight_granularity="per_tensor"`` (ternary, absmean)
+      with ``act_granularity="per_token"`` (int8, absmax).
     weight_estimator, act_estimator: gradient estimator through the
       rounding: ``ste``, ``clipped_ste`` or ``clipped_ste_unit``.
 
@@ -117,6 +132,8 @@ class QtRule:
   weight_calibration_method: object = "absmax"
   act_calibration_method: object = "absmax"
   disable_channelwise_axes: bool = False
+  weight_granularity: str | int | None = None
+  act_granularity: str | int | None = None
   weight_estimator: str = "ste"
   act_estimator: str = "ste"
   act_static_scale: bool = False
@@ -181,6 +198,22 @@ class QtRule:
       errors.append(f"tile_size={self.tile_size!r} must be a positive int or None")
     if self.tile_size is not None and self.weight_qtype is None and self.act_qtype is None:
       errors.append(f"tile_size={self.tile_size} is set but weight_qtype and act_qtype are None")
+    for name, qname, valid, other in (
+        ("weight_granularity", "weight_qtype", WEIGHT_GRANULARITIES, ACT_GRANULARITIES),
+        ("act_granularity", "act_qtype", ACT_GRANULARITIES, WEIGHT_GRANULARITIES)):
+      v = getattr(self, name)
+      if v is None:
+        continue
+      if isinstance(v, bool) or not isinstance(v, (str, int)) or \
+          (isinstance(v, int) and v <= 0) or (isinstance(v, str) and v not in valid):
+        hint = ""
+        if isinstance(v, str) and v in other:
+          hint = (f" ({v!r} is the other operand's name for the same layout: "
+                  f"{valid[1]!r} here)")
+        errors.append(f"{name}={v!r}; valid: None, {', '.join(map(repr, valid))} or a positive "
+                      f"int tile size{hint}")
+      elif getattr(self, qname) is None:
+        errors.append(f"{name}={v!r} is set but {qname} is None")
     # Estimators.
     for name in ("weight_estimator", "act_estimator"):
       if getattr(self, name) not in estimators.ESTIMATORS:
@@ -248,6 +281,17 @@ class QtRule:
     rx = self._regex  # type: ignore[attr-defined]
     return rx.search(path) is not None and rx.fullmatch(path) is None
 
+  def granularity(self, *, weight: bool) -> tuple[bool, int | None]:
+    """``(channelwise, tile_size)`` of the weight's scales (``weight=True``) or the
+    activation's: the operand's own granularity field where set, else the
+    shared ``disable_channelwise_axes`` and ``tile_size``."""
+    g = self.weight_granularity if weight else self.act_granularity
+    if g is None:
+      return not self.disable_channelwise_axes, self.tile_size
+    if isinstance(g, int):
+      return True, g
+    return g != "per_tensor", None
+
   @property
   def quantizes(self) -> bool:
     """False for a rule that keeps its ops in float (no qtype set)."""
@@ -268,6 +312,9 @@ class QtRule:
     parts = [f"w={self.weight_qtype}", f"a={self.act_qtype}", f"g={self.bwd_qtype}"]
     if self.tile_size:
       parts.append(f"tile={self.tile_size}")
+    for name, g in (("w", self.weight_granularity), ("a", self.act_granularity)):
+      if g is not None:
+        parts.append(f"{name}_gran={g}")
     if self.bwd_stochastic_rounding:
       parts.append(f"sr={self.bwd_stochastic_rounding}")
     return " ".join(parts)
