@@ -116,7 +116,8 @@ def test_quickstart_all_runs(tmp_path):
 
 def test_default_out_dirs_are_under_tempdir():
   for name, folder in (("quickstart", "qtrain_quickstart"),
-                       ("fashion_mnist", "qtrain_fashion_mnist")):
+                       ("fashion_mnist", "qtrain_fashion_mnist"),
+                       ("train_lm", "qtrain_train_lm")):
     args = _load(name).make_parser().parse_args([])
     assert args.out_dir == os.path.join(tempfile.gettempdir(), folder), name
 
@@ -219,3 +220,64 @@ def test_fashion_mnist_cli_finds_data_through_env(tmp_path):
   assert f"Fashion-MNIST from {d}" in p.stdout
   _check_fashion_outputs(out, ["float"])
   assert sorted(os.listdir(tmp_path)) == ["fm", "out"]  # nothing written into the cwd
+
+
+# ---------------------------------------------------------------------------
+# train_lm
+
+
+def _write_text(path, n: int = 6000) -> str:
+  """A small, learnable text: a few sentences repeated with random choices between them."""
+  rng = np.random.default_rng(0)
+  parts = ["the cat sat on the mat. ", "a dog ran in the park! ", "qtrain trains small nets; "]
+  text = "".join(parts[i] for i in rng.integers(0, len(parts), n // 20))
+  path.write_text(text)
+  return str(path)
+
+
+def test_train_lm_smoke(tmp_path):
+  lm = _load("train_lm")
+  text = _write_text(tmp_path / "tiny.txt")
+  out = tmp_path / "lm"
+  summary = lm.main(["--text", text, "--runs", "float,bitnet", "--steps", "12", "--d-model", "32",
+                     "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "8",
+                     "--eval-every", "6", "--eval-batches", "2", "--out-dir", str(out), "--no-tqdm"])
+  with open(out / "summary.json") as f:
+    on_disk = json.load(f)
+  assert on_disk["runs"].keys() == summary["runs"].keys() == {"float", "bitnet"}
+  for name, r in on_disk["runs"].items():
+    assert len(r["train_loss"]) == 12
+    assert [s for s, _ in r["held_out"]] == [6, 12]
+    # Learning happened: the loss starts near ln(256) = 5.55 and falls on this repetitive text.
+    assert r["train_loss"][0] > 4.5 and r["train_loss"][-1] < r["train_loss"][0] - 1.0, name
+  nums = _finite_numbers(on_disk["runs"])
+  assert nums and all(math.isfinite(x) for x in nums)
+  _assert_png(out / "loss.png")
+
+
+def test_train_lm_bitnet_rules_are_the_preset_on_the_blocks():
+  lm = _load("train_lm")
+  (rule,) = lm.rules("bitnet")
+  assert rule.module_path == r"block_\d+/.*" and rule.op_names == ("dot_general",)
+  assert rule.short() == "w=ternary a=int8 g=None w_gran=per_tensor a_gran=per_token"
+  assert lm.rules("float") is None
+  assert {r.weight_qtype for run in ("int8", "fp8", "int4") for r in lm.rules(run)} == {
+      "int8", "float8_e4m3fn", "int4"}
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--runs", "float,int3"], r"--runs 'float,int3': unknown \['int3'\]; valid: float, int8"),
+    (["--text", "/nonexistent/x.txt"], r"--text /nonexistent/x.txt: no such file"),
+    (["--steps", "0"], r"--steps 0 must be positive"),
+    (["--d-model", "30", "--heads", "4"], r"--d-model 30 must be a multiple of --heads 4"),
+])
+def test_train_lm_bad_arguments_are_named(argv, match):
+  with pytest.raises(SystemExit, match=match):
+    _load("train_lm").main(argv)
+
+
+def test_train_lm_text_too_short_is_refused(tmp_path):
+  path = tmp_path / "short.txt"
+  path.write_text("abc" * 20)
+  with pytest.raises(SystemExit, match=r"60 bytes; its 90% / 10% splits need at least 130 bytes"):
+    _load("train_lm").main(["--text", str(path), "--seq", "128"])
