@@ -169,3 +169,26 @@ def test_layer_quants_with_different_channelwise_per_operand_become_one_rule():
   assert (rule.weight_granularity, rule.act_granularity) == ("per_channel", "per_tensor")
   back = binary.LayerQuant.from_rule(rule)
   assert (back.weight, back.act) == (lq.weight, lq.act)
+
+
+def test_bitnet_forward_product_is_int8_times_int8():
+  # Ternary codes are integers: the forward product runs on the int8 path (int8 x int8 -> int32,
+  # the int8 GEMM on a GPU), not as a float product of dequantized values.
+  model = qtrain.quantize_model(nn.Dense(8, use_bias=False),
+                                qtrain.QtProvider(binary.rules({".*": "bitnet_b158"})))
+  x = jax.random.normal(jax.random.key(0), (4, 16))
+  v = model.init(jax.random.key(1), x)
+  dots = []
+
+  def walk(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive.name == "dot_general":
+        dots.append(([str(a.aval.dtype) for a in e.invars], str(e.outvars[0].aval.dtype)))
+      for p in e.params.values():
+        for sub in (p if isinstance(p, (tuple, list)) else [p]):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            walk(inner)
+
+  walk(jax.make_jaxpr(lambda x: model.apply(v, x))(x).jaxpr)
+  assert dots and all(d == (["int8", "int8"], "int32") for d in dots), dots
