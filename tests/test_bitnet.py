@@ -71,6 +71,7 @@ def test_bitnet_rule_is_the_papers_bitlinear_forward_and_ste_backward():
                              atol=2e-6 * np.abs(x_q.T @ ct).max())
 
 
+@pytest.mark.slow
 def test_bitnet_rules_match_the_layer_quant_and_freeze_to_two_bit_words():
   lq = binary.bitnet_b158()
   rules = binary.rules({"head": None, ".*": lq})

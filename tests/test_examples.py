@@ -235,6 +235,7 @@ def _write_text(path, n: int = 6000) -> str:
   return str(path)
 
 
+@pytest.mark.slow
 def test_train_lm_smoke(tmp_path):
   lm = _load("train_lm")
   text = _write_text(tmp_path / "tiny.txt")

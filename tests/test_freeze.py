@@ -70,6 +70,7 @@ def test_frozen_model_logits_equal_quantized_forward(name, impl):
   assert bool(jnp.all(jnp.argmax(out, -1) == jnp.argmax(ref, -1)))
 
 
+@pytest.mark.slow
 def test_frozen_layout_is_packed_nk_and_sizes():
   lq = binary.bitorch()
   model = SmallCNN(lq, lq)
@@ -94,6 +95,7 @@ def test_frozen_layout_is_packed_nk_and_sizes():
   assert 4 < w4["dense1"]["ratio"] < 8  # 4-bit codes + a scale and zero per 32 weights
 
 
+@pytest.mark.slow
 def test_orbax_round_trip(tmp_path):
   lq, dlq = PRESETS["w4"]
   model = SmallCNN(binary.bitorch(), dlq)
