@@ -1,11 +1,14 @@
 """Run by tests/test_multidevice.py in a subprocess with N fake CPU devices (``XLA_FLAGS``
-must be set before jax starts): trains a quantized MLP 5 SGD steps on one device and under
-``jax.jit`` with ``NamedSharding`` (data-parallel, FSDP, tensor-parallel), and prints one JSON
-object: the losses of each, and the collectives of each compiled step (op, dtype, shape).
+must be set before jax starts): trains a small quantized network (a 1-D conv, two Dense) 5 SGD
+steps on one device, under ``jax.jit`` with ``NamedSharding`` (data-parallel, FSDP,
+tensor-parallel) and data-parallel under ``jax.shard_map``, with quantized and with float
+gradients, and prints one JSON object: the losses of each, and the collectives of each
+compiled step (op, result type).
 
   python tests/_multidevice_run.py N QTYPE     # QTYPE: int8 or fp8
 """
 
+import functools
 import json
 import os
 import re
@@ -30,30 +33,59 @@ QTYPES = {"int8": ("int8", "int8", "int8"),
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 
-class MLP(nn.Module):
+class Net(nn.Module):
   @nn.compact
   def __call__(self, x):
-    return nn.Dense(16, name="down")(nn.gelu(nn.Dense(64, name="up")(x)))
+    h = nn.Conv(8, (3,), name="conv")(x)
+    h = nn.gelu(nn.Dense(64, name="up")(h.reshape(h.shape[0], -1)))
+    return nn.Dense(16, name="down")(h)
 
 
 def main():
   w, a, g = QTYPES[qtype]
-  rules = [qtrain.QtRule(weight_qtype=w, act_qtype=a, bwd_qtype=g,
-                         bwd_stochastic_rounding="low_bit_hash")]
-  model = qtrain.quantize_model(MLP(), qtrain.QtProvider(rules))
-  x = jax.random.normal(jax.random.key(0), (32, 16))
+  x = jax.random.normal(jax.random.key(0), (32, 6, 4))
   y = jax.random.normal(jax.random.key(1), (32, 16))
-  params = model.init(jax.random.key(2), x)["params"]
   tx = optax.sgd(0.05)
+  devices = np.array(jax.devices())
+  assert devices.size == n_devices, devices
+  data = Mesh(devices, ("data",))
+  grid = Mesh(devices.reshape(n_devices // 2, 2), ("data", "model"))
 
-  def step(p, s, x, y, key):
-    def loss(p):
-      return jnp.mean((model.apply({"params": p}, x, rngs={qtrain.RNG_STREAM: key}) - y) ** 2)
-    value, grads = jax.value_and_grad(loss)(p)
-    updates, s = tx.update(grads, s, p)
-    return optax.apply_updates(p, updates), s, value
+  def build(grads_quantized: bool):
+    rules = [qtrain.QtRule(weight_qtype=w, act_qtype=a, bwd_qtype=g if grads_quantized else None,
+                           bwd_stochastic_rounding="low_bit_hash" if grads_quantized else None)]
+    model = qtrain.quantize_model(Net(), qtrain.QtProvider(rules))
+    params = model.init(jax.random.key(2), x)["params"]
 
-  def run(mesh=None, param_specs=None, data_spec=None):
+    def loss(p, x, y, key, count):  # the squared error summed over x's rows, over count values
+      out = model.apply({"params": p}, x, rngs={qtrain.RNG_STREAM: key})
+      return jnp.sum((out - y) ** 2) / count
+
+    return params, loss
+
+  def step_fn(loss):
+    def step(p, s, x, y, key):
+      value, grads = jax.value_and_grad(loss)(p, x, y, key, y.size)
+      updates, s = tx.update(grads, s, p)
+      return optax.apply_updates(p, updates), s, value
+    return step
+
+  def shard_map_step_fn(loss):
+    def step(p, s, x, y, key):
+      @functools.partial(jax.shard_map, mesh=data, in_specs=(P(), P("data"), P("data"), P()),
+                         out_specs=(P(), P()))
+      def grads(p, x, y, key):
+        key = jax.random.fold_in(key, jax.lax.axis_index("data"))
+        # Each shard's share of the global mean; the gradient of the replicated parameters
+        # comes back summed over the shards (JAX's rule, which the QT ops follow).
+        value, grads = jax.value_and_grad(loss)(p, x, y, key, y.size * n_devices)
+        return jax.lax.psum(value, "data"), grads
+      value, grads = grads(p, x, y, key)
+      updates, s = tx.update(grads, s, p)
+      return optax.apply_updates(p, updates), s, value
+    return step
+
+  def run(params, step, mesh=None, param_specs=None, data_spec=None):
     p, xs, ys = params, x, y
     if mesh is not None:
       p = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs,
@@ -73,19 +105,22 @@ def main():
       losses.append(float(value))
     return {"losses": losses, "collectives": ops}
 
-  devices = np.array(jax.devices())
-  assert devices.size == n_devices, devices
-  data = Mesh(devices, ("data",))
-  grid = Mesh(devices.reshape(n_devices // 2, 2), ("data", "model"))
-  replicated = jax.tree.map(lambda _: P(), params)
-  fsdp = {"up": {"kernel": P("data", None), "bias": P()},
-          "down": {"kernel": P("data", None), "bias": P()}}
-  tp = {"up": {"kernel": P(None, "model"), "bias": P("model")},  # column-split
-        "down": {"kernel": P("model", None), "bias": P()}}      # row-split
-  out = {"single": run(),
-         "dp": run(data, replicated, P("data")),
-         "fsdp": run(data, fsdp, P("data")),
-         "tp": run(grid, tp, P("data"))}
+  out = {}
+  for grads_quantized, suffix in ((True, ""), (False, "_float_grads")):
+    params, loss = build(grads_quantized)
+    replicated = jax.tree.map(lambda _: P(), params)
+    fsdp = {"conv": {"kernel": P(), "bias": P()},
+            "up": {"kernel": P("data", None), "bias": P()},
+            "down": {"kernel": P("data", None), "bias": P()}}
+    tp = {"conv": {"kernel": P(), "bias": P()},
+          "up": {"kernel": P(None, "model"), "bias": P("model")},  # column-split
+          "down": {"kernel": P("model", None), "bias": P()}}      # row-split
+    out["single" + suffix] = run(params, step_fn(loss))
+    out["shard_map" + suffix] = run(params, shard_map_step_fn(loss))
+    if grads_quantized:
+      out["dp"] = run(params, step_fn(loss), data, replicated, P("data"))
+      out["fsdp"] = run(params, step_fn(loss), data, fsdp, P("data"))
+      out["tp"] = run(params, step_fn(loss), grid, tp, P("data"))
   print(json.dumps(out))
 
 

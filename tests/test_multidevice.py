@@ -1,14 +1,17 @@
-"""Quantized training on several devices under ``jax.jit`` + ``NamedSharding`` (fake CPU devices).
+"""Quantized training on several devices (fake CPU devices).
 
 Each case runs ``tests/_multidevice_run.py`` in a subprocess (the device count must be set
-before jax starts) and compares data-parallel, FSDP and tensor-parallel (column-split then
-row-split Dense) training with one device: the same losses, and the collectives a user would
-expect in the compiled step.
+before jax starts) and compares with one device:
 
-What these pin down: scales are computed over the whole (global) array, as on one device, so
-sharding changes no number; XLA inserts the reductions the scales need. Under FSDP the
-weights travel as their int8 / fp8 codes (plus small float scale vectors), not as float
-weights: XLA quantizes each shard with the global scale and gathers the codes.
+* ``jax.jit`` + ``NamedSharding``: data-parallel, FSDP and tensor-parallel (column-split then
+  row-split Dense). Scales are computed over the whole (global) array, as on one device, so
+  sharding changes no number; XLA inserts the reductions the scales need. Under FSDP the
+  weights travel as their int8 / fp8 codes (plus small float scale vectors), not as float
+  weights: XLA quantizes each shard with the global scale and gathers the codes.
+* ``jax.shard_map`` data-parallel: every scale is computed on the shard's own data. With a
+  float backward that changes no number (per-token activation scales and the replicated
+  weights' scales are the same either way). Quantized gradients get per-shard scales (and
+  per-shard noise), so the losses agree within the gradients' quantization error.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WEIGHT_SHAPES = {"16,64", "64,16", "32,16", "16,32", "64,32", "32,64"}  # full or half weights
+# The FSDP-sharded Dense kernels, gathered whole, in either layout (the run's Net: up (48, 64),
+# down (64, 16)). Activations may be gathered too (XLA's choice); they are data, not weights.
+DENSE_KERNELS = {"48,64", "64,48", "64,16", "16,64"}
 # The codes' dtype in the all-gather. XLA's CPU backend has no fp8 arithmetic and widens fp8
 # values to f16 (exactly) before they are used, the collective included: 2 bytes per weight,
 # not float32's 4.
@@ -58,11 +63,23 @@ def _check(out: dict, qtype: str) -> None:
   assert not any(op == "all-gather" for op, _ in ops["dp"]), ops["dp"]
   # FSDP: every weight-sized all-gather moves codes, none moves float weights.
   gathers = [_shape(t) for op, t in ops["fsdp"] if op == "all-gather" and "[" in t]
-  weight_gathers = [(d, s) for d, s in gathers if s in WEIGHT_SHAPES]
+  weight_gathers = [(d, s) for d, s in gathers if s in DENSE_KERNELS]
   assert weight_gathers, ops["fsdp"]
   assert {d for d, _ in weight_gathers} <= CODE_DTYPES[qtype], weight_gathers
   # Tensor parallel: the row-split product's partial sums are all-reduced.
   assert any(op == "all-reduce" for op, _ in ops["tp"]), ops["tp"]
+  # shard_map with a float backward: the same numbers as one device.
+  np.testing.assert_allclose(out["shard_map_float_grads"]["losses"],
+                             out["single_float_grads"]["losses"], rtol=2e-6)
+  # ... with quantized gradients: per-shard gradient scales and noise. Each gradient element
+  # is off by at most one quantization step of its group, a relative 1 / qmax of the group's
+  # largest (1/127 for int8, 2**-2 for e5m2's 2 mantissa bits); five small SGD steps move the
+  # loss by a small fraction of that.
+  step = {"int8": 1 / 127, "fp8": 2.0 ** -2}[qtype]
+  sm, one = np.array(out["shard_map"]["losses"]), single
+  assert sm[0] == pytest.approx(one[0], rel=2e-6)  # the first loss is before any update
+  np.testing.assert_allclose(sm, one, rtol=step)
+  assert not np.array_equal(sm, one)  # per-shard scales really are per shard
 
 
 @pytest.mark.parametrize("qtype", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])

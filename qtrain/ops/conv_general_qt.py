@@ -217,7 +217,7 @@ def _fwd(lhs, rhs, lhs_scale, rhs_scale, kd, p, config, out_dtype, meta):
 
 def _bwd(p, config, out_dtype, meta, res, g):
   lres, rres, kd = res
-  ldtype, rdtype = meta
+  ldtype, rdtype, varying = meta
   k_l, k_r = dqt.split_key(kd, 2)
   if _as_matmul(p):
     lhs_bar, rhs_bar = _matmul_grads(p, config, lres, rres, g, k_l, k_r, meta)
@@ -225,13 +225,14 @@ def _bwd(p, config, out_dtype, meta, res, g):
     lhs_bar, rhs_bar = _xla_conv_grads(p, config, lres, rres, g, k_l, k_r, meta)
   lhs_bar, ls_bar = dqt.finish_operand_grad(lhs_bar, lres, config.lhs, ldtype)
   rhs_bar, rs_bar = dqt.finish_operand_grad(rhs_bar, rres, config.rhs, rdtype)
-  return lhs_bar, rhs_bar, ls_bar, rs_bar, None
+  return (*(dqt.match_varying(ct, a) for ct, a in zip((lhs_bar, rhs_bar, ls_bar, rs_bar), varying)),
+          None)
 
 
 def _matmul_grads(p, config, lres, rres, g, k_l, k_r, meta):
   """dot_general_qt's backward products of patches x kernel matrix; the
   patches' gradient summed back over the windows in float32."""
-  ldtype, rdtype = meta
+  ldtype, rdtype = meta[:2]
   a_val, b_val = lres.value, rres.value
   geo = im2col.geometry(a_val.shape, b_val.shape, p)
   a, b = im2col.patches_operand(a_val, geo), im2col.kernel_operand(b_val, geo)
@@ -256,7 +257,7 @@ def _matmul_grads(p, config, lres, rres, g, k_l, k_r, meta):
 
 def _xla_conv_grads(p, config, lres, rres, g, k_l, k_r, meta):
   """The float32 backward of XLA's convolution (``batch_group_count > 1``)."""
-  ldtype, rdtype = meta
+  ldtype, rdtype = meta[:2]
   _, _, out_spec = p["dn"]
   # The values the forward multiplied (_xla_conv's float path rounds a
   # dequantized operand into the compute dtype; its exact path is float32-exact),
@@ -352,7 +353,8 @@ def conv_general_qt(
   if jnp.size(lhs) == 0 or jnp.size(rhs) == 0:
     return jnp.zeros(out_shape, out_dtype)
   return _conv_qt(lhs, rhs, lhs_scale, rhs_scale, dqt.as_key(key), _Static(p), config, out_dtype,
-                  (jnp.result_type(lhs), jnp.result_type(rhs)))
+                  (jnp.result_type(lhs), jnp.result_type(rhs),
+                   dqt.operand_axes(lhs, rhs, lhs_scale, rhs_scale)))
 
 
 class _Static(dict):

@@ -48,8 +48,8 @@ from qtrain.core import qdot
 from qtrain.ops import config as cfg_lib
 from qtrain.ops import dispatch
 from qtrain.ops.qt_operand import (as_key, as_scale, check_given_scale, check_operands,
-                                   compute_dtype, finish_operand_grad, quantize_grad,
-                                   quantize_operand, split_key)
+                                   compute_dtype, finish_operand_grad, match_varying,
+                                   operand_axes, quantize_grad, quantize_operand, split_key)
 
 
 # ----------------------------------------------------------------------------
@@ -210,7 +210,7 @@ def _fwd(lhs, rhs, lhs_scale, rhs_scale, kd, dn, config, precision, out_dtype, s
 
 def _bwd(dn, config, precision, out_dtype, shapes, res, g):
   lres, rres, kd = res
-  (lshape, rshape, ldtype, rdtype) = shapes
+  (lshape, rshape, ldtype, rdtype, varying) = shapes
   (lc, rc), (lb, rb) = dn
   k_l, k_r = split_key(kd, 2)
   # Without a learned scale, finish_operand_grad only masks and casts x_bar, and
@@ -226,7 +226,8 @@ def _bwd(dn, config, precision, out_dtype, shapes, res, g):
                              x_shape=rshape, out_dtype=bar_dtype(rres, rdtype), y_dtype=ldtype)
   lhs_bar, ls_bar = finish_operand_grad(lhs_bar, lres, config.lhs, ldtype)
   rhs_bar, rs_bar = finish_operand_grad(rhs_bar, rres, config.rhs, rdtype)
-  return lhs_bar, rhs_bar, ls_bar, rs_bar, None
+  return (*(match_varying(ct, a) for ct, a in zip((lhs_bar, rhs_bar, ls_bar, rs_bar), varying)),
+          None)
 
 
 _dot_general_qt.defvjp(_fwd, _bwd)
@@ -378,6 +379,7 @@ def dot_general_qt(
   check_given_scale(config.rhs, rhs_scale, "rhs")
   if jnp.size(lhs) == 0 or jnp.size(rhs) == 0:
     return jnp.zeros(qdot.output_shape(jnp.shape(lhs), jnp.shape(rhs), dn), out_dtype)
-  shapes = (tuple(jnp.shape(lhs)), tuple(jnp.shape(rhs)), jnp.result_type(lhs), jnp.result_type(rhs))
+  shapes = (tuple(jnp.shape(lhs)), tuple(jnp.shape(rhs)), jnp.result_type(lhs), jnp.result_type(rhs),
+            operand_axes(lhs, rhs, lhs_scale, rhs_scale))
   return _dot_general_qt(lhs, rhs, lhs_scale, rhs_scale, as_key(key), dn, config, precision,
                          out_dtype, shapes)

@@ -40,6 +40,7 @@ import numpy as np
 from qtrain.core import qarray as qa
 from qtrain.core import qdot
 from qtrain.core import qtypes
+from qtrain.ops.qt_operand import match_varying, varying_axes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -163,7 +164,10 @@ def patches_transpose(dp: jax.Array, geo: Geometry, x_shape) -> jax.Array:
   perm = (geo.lhs_spec[0],) + geo.lhs_spec[2:] + (geo.lhs_spec[1],)
   xc_shape = tuple(int(x_shape[a]) for a in perm)
   f = lambda xc: _patches_canonical(xc, geo)
-  (xc,) = jax.linear_transpose(f, jax.ShapeDtypeStruct(xc_shape, dp.dtype))(dp)
+  # The vjp of the (linear) patch gather at a zero input: XLA drops the unused forward. The
+  # zeros vary over dp's shard_map axes, so the cotangent's type matches the output's.
+  zeros = match_varying(jnp.zeros(xc_shape, dp.dtype), varying_axes(dp))
+  (xc,) = jax.vjp(f, zeros)[1](dp)
   return jnp.transpose(xc, tuple(int(i) for i in np.argsort(perm)))
 
 

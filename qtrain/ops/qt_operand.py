@@ -152,6 +152,45 @@ def quantize_grad(g, gq: cfg_lib.GradQuant, channel_axes, key):
   return qa.quantize(g, spec, key=key)
 
 
+def varying_axes(x) -> frozenset:
+  """The ``jax.shard_map`` mesh axes ``x`` varies over (empty outside shard_map, and for None)."""
+  if x is None:
+    return frozenset()
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", None) or ())
+
+
+def operand_axes(*operands) -> tuple[frozenset, ...]:
+  """:func:`varying_axes` of each operand: what a QT op's backward must give back."""
+  return tuple(varying_axes(x) for x in operands)
+
+
+def match_varying(ct, axes: frozenset):
+  """A cotangent typed like its primal inside ``jax.shard_map``.
+
+  A replicated operand (a weight) used with a per-shard one (a batch) gets a
+  per-shard cotangent from the backward products. JAX's own autodiff sums
+  such a cotangent over the mesh axes the primal does not vary over (the
+  transpose of the implicit broadcast to every shard), and a ``custom_vjp``
+  must do the same: the gradient of a replicated weight is the sum over
+  shards, as for a float layer. An operand varying where its cotangent does
+  not gets the cotangent cast to varying. Outside shard_map: unchanged.
+  """
+  if ct is None:
+    return None
+  have = varying_axes(ct)
+  extra = tuple(sorted(have - axes))
+  if extra:
+    ct = jax.lax.psum(ct, extra)
+  missing = tuple(sorted(axes - have))
+  if missing:
+    ct = jax.lax.pcast(ct, missing, to="varying")
+  return ct
+
+
 def as_key(key) -> jax.Array | None:
   """The PRNG key the ops carry through ``custom_vjp``: a typed key array.
 
