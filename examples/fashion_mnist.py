@@ -71,6 +71,7 @@ import optax  # noqa: E402
 from flax import serialization  # noqa: E402
 
 import _data  # noqa: E402
+import _plot  # noqa: E402
 from qtrain import binary  # noqa: E402
 from qtrain import optim  # noqa: E402
 from qtrain.qlayers import QConv, QDense  # noqa: E402
@@ -326,21 +327,11 @@ def freeze_report(model: CNN, fz_rules, variables, x_te, y_te, eval_logits, args
 
 
 def plot(results: dict, path: str):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for run, r in results.items():
-    ep = np.arange(1, len(r["test_acc"]) + 1)
-    ax.plot(ep, 100 * np.asarray(r["test_acc"]), marker="o", label=f"{run} ({100 * r['final_test_acc']:.2f}%)")
-  ax.set_xlabel("epoch")
-  ax.set_ylabel("test accuracy (%)")
-  ax.set_title("Fashion-MNIST: float vs binary vs low-bit weights")
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  curves = {f"{run} ({100 * r['final_test_acc']:.2f}%)":
+            (np.arange(1, len(r["test_acc"]) + 1), 100 * np.asarray(r["test_acc"]))
+            for run, r in results.items()}
+  _plot.save_curves(curves, path, xlabel="epoch", ylabel="test accuracy (%)",
+                    title="Fashion-MNIST: float vs binary vs low-bit weights")
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flax.linen as nn  # noqa: E402
@@ -51,6 +52,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+import _plot  # noqa: E402
 import qtrain  # noqa: E402
 from qtrain import binary  # noqa: E402
 
@@ -202,22 +204,10 @@ def train_one(run: str, args, train: np.ndarray, held: np.ndarray) -> dict:
 
 
 def plot(results: dict, path: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for name, r in results.items():
-    steps, vals = zip(*r["held_out"])
-    ax.plot(steps, vals, marker="o", ms=3, label=f"{name} ({r['final_held_out']:.3f})")
-  ax.set_xlabel("step")
-  ax.set_ylabel("held-out loss (nats per byte)")
-  ax.set_title("character-level GPT: held-out loss")
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  curves = {f"{name} ({r['final_held_out']:.3f})": tuple(zip(*r["held_out"]))
+            for name, r in results.items()}
+  _plot.save_curves(curves, path, xlabel="step", ylabel="held-out loss (nats per byte)",
+                    title="character-level GPT: held-out loss")
 
 
 def make_parser() -> argparse.ArgumentParser:
