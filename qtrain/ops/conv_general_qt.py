@@ -220,19 +220,18 @@ def _bwd(p, config, out_dtype, meta, res, g):
   ldtype, rdtype, varying = meta
   k_l, k_r = dqt.split_key(kd, 2)
   if _as_matmul(p):
-    lhs_bar, rhs_bar = _matmul_grads(p, config, lres, rres, g, k_l, k_r, meta)
+    lhs_bar, rhs_bar = _matmul_grads(p, config, lres, rres, g, k_l, k_r, (ldtype, rdtype))
   else:
-    lhs_bar, rhs_bar = _xla_conv_grads(p, config, lres, rres, g, k_l, k_r, meta)
+    lhs_bar, rhs_bar = _xla_conv_grads(p, config, lres, rres, g, k_l, k_r, (ldtype, rdtype))
   lhs_bar, ls_bar = dqt.finish_operand_grad(lhs_bar, lres, config.lhs, ldtype)
   rhs_bar, rs_bar = dqt.finish_operand_grad(rhs_bar, rres, config.rhs, rdtype)
-  return (*(dqt.match_varying(ct, a) for ct, a in zip((lhs_bar, rhs_bar, ls_bar, rs_bar), varying)),
-          None)
+  return (*dqt.typed_like_operands((lhs_bar, rhs_bar, ls_bar, rs_bar), varying), None)
 
 
-def _matmul_grads(p, config, lres, rres, g, k_l, k_r, meta):
+def _matmul_grads(p, config, lres, rres, g, k_l, k_r, dtypes):
   """dot_general_qt's backward products of patches x kernel matrix; the
   patches' gradient summed back over the windows in float32."""
-  ldtype, rdtype = meta[:2]
+  ldtype, rdtype = dtypes
   a_val, b_val = lres.value, rres.value
   geo = im2col.geometry(a_val.shape, b_val.shape, p)
   a, b = im2col.patches_operand(a_val, geo), im2col.kernel_operand(b_val, geo)
@@ -255,9 +254,9 @@ def _matmul_grads(p, config, lres, rres, g, k_l, k_r, meta):
   return lhs_bar, im2col.kernel_from_matrix(dw, geo, b_val.shape)
 
 
-def _xla_conv_grads(p, config, lres, rres, g, k_l, k_r, meta):
+def _xla_conv_grads(p, config, lres, rres, g, k_l, k_r, dtypes):
   """The float32 backward of XLA's convolution (``batch_group_count > 1``)."""
-  ldtype, rdtype = meta[:2]
+  ldtype, rdtype = dtypes
   _, _, out_spec = p["dn"]
   # The values the forward multiplied (_xla_conv's float path rounds a
   # dequantized operand into the compute dtype; its exact path is float32-exact),

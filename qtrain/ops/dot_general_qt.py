@@ -48,8 +48,9 @@ from qtrain.core import qdot
 from qtrain.ops import config as cfg_lib
 from qtrain.ops import dispatch
 from qtrain.ops.qt_operand import (as_key, as_scale, check_given_scale, check_operands,
-                                   compute_dtype, finish_operand_grad, match_varying,
-                                   operand_axes, quantize_grad, quantize_operand, split_key)
+                                   compute_dtype, finish_operand_grad, operand_axes,
+                                   quantize_grad, quantize_operand, split_key,
+                                   typed_like_operands)
 
 
 # ----------------------------------------------------------------------------
@@ -226,8 +227,7 @@ def _bwd(dn, config, precision, out_dtype, shapes, res, g):
                              x_shape=rshape, out_dtype=bar_dtype(rres, rdtype), y_dtype=ldtype)
   lhs_bar, ls_bar = finish_operand_grad(lhs_bar, lres, config.lhs, ldtype)
   rhs_bar, rs_bar = finish_operand_grad(rhs_bar, rres, config.rhs, rdtype)
-  return (*(match_varying(ct, a) for ct, a in zip((lhs_bar, rhs_bar, ls_bar, rs_bar), varying)),
-          None)
+  return (*typed_like_operands((lhs_bar, rhs_bar, ls_bar, rs_bar), varying), None)
 
 
 _dot_general_qt.defvjp(_fwd, _bwd)

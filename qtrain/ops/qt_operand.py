@@ -168,6 +168,11 @@ def operand_axes(*operands) -> tuple[frozenset, ...]:
   return tuple(varying_axes(x) for x in operands)
 
 
+def typed_like_operands(cotangents, axes: tuple[frozenset, ...]) -> tuple:
+  """:func:`match_varying` of each cotangent against its operand's :func:`operand_axes`."""
+  return tuple(match_varying(ct, a) for ct, a in zip(cotangents, axes, strict=True))
+
+
 def match_varying(ct, axes: frozenset):
   """A cotangent typed like its primal inside ``jax.shard_map``.
 
