@@ -513,14 +513,63 @@ def render_conv_step(recs: list[dict]) -> str:
   return "\n".join(lines + _runs_list("c", [used[s] for s in sorted(used)]))
 
 
+def lora_anchor(d: int, rank: int, config: str) -> str:
+  """The anchor of a LoRA fine-tuning row.
+
+  >>> lora_anchor(2048, 16, "qlora_int4")
+  'lora-d2048-r16-qlora-int4'
+  """
+  return f"lora-d{d}-r{rank}-{slug(config)}"
+
+
+_LORA_ORDER = ("lora_bf16", "qlora_int8", "qlora_int4", "qlora_int4_triton", "full_bf16")
+
+
+def render_lora_step(recs: list[dict]) -> str:
+  """The LoRA / QLoRA fine-tuning table: one row per (d_model, rank, config)."""
+  case = lambda r: (r["d_model"], r["rank"], r["config"])
+  latest = _latest(recs, case)
+  lines = ["## LoRA / QLoRA fine-tuning step", "",
+           "`benchmarks/lora_step.py`: lm_step.py's decoder (bf16), adapters on every block "
+           "`dot_general`, AdamW on the adapters alone (full_bf16: every parameter). Each row is "
+           "the latest run of that case; ratios are against lora_bf16 in that same run. *base "
+           "MiB*: the stored weights of the decoder blocks (packed codes and scales for QLoRA); "
+           "*trainable MiB*: adapters + AdamW moments; *peak GiB*: the compiled loop's "
+           "`memory_analysis()` (arguments + outputs - donated + temporaries); *loss*: the "
+           "training loss after the timed steps.", ""]
+  used = {}
+  order = {name: i for i, name in enumerate(_LORA_ORDER)}
+  for d, rank in sorted({c[:2] for c in latest}, key=lambda s: (-s[0], s[1])):
+    cases = sorted((c for c in latest if c[:2] == (d, rank)),
+                   key=lambda c: (order.get(c[2], len(order)), c[2]))
+    r0 = latest[cases[0]][0]
+    lines += [f"### d_model = {d}, rank {rank}: layers {r0['layers']}, seq {r0['seq']} x batch "
+              f"{r0['batch']}, attention {r0['attention']}", "",
+              "| config | ms/step | vs lora_bf16 | peak GiB | vs lora_bf16 | base MiB | "
+              "trainable MiB | compile s | loss | run | date | device | jax |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cases:
+      row, rec = latest[c]
+      used[rec["seq"]] = rec
+      lines.append(f"| {_anchor(lora_anchor(d, rank, row['config']))}{row['config']} | "
+                   f"{row['ms']:.2f} | {_x(row.get('vs_lora_bf16'))} | "
+                   f"{_gib(row.get('mem_bytes'))} | {_x(row.get('mem_vs_lora_bf16'))} | "
+                   f"{row['base_bytes'] / 2**20:.1f} | {row['trainable_bytes'] / 2**20:.1f} | "
+                   f"{row['compile_s']:.1f} | {row['loss']:.4f} | {_run_cells('q', rec)} |")
+    lines.append("")
+  return "\n".join(lines + _runs_list("q", [used[s] for s in sorted(used)]))
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {"kernels": render_kernels,
                                                    "train_step": render_train_step,
                                                    "lm_step": render_lm_step,
-                                                   "conv_step": render_conv_step}
+                                                   "conv_step": render_conv_step,
+                                                   "lora_step": render_lora_step}
 # What a table reads before its benchmark's first GPU run.
 _EMPTY = {"kernels": "## Kernels", "train_step": "## Training step",
           "lm_step": "## Language-model training step",
-          "conv_step": "## Convolution training step"}
+          "conv_step": "## Convolution training step",
+          "lora_step": "## LoRA / QLoRA fine-tuning step"}
 
 
 def _markers(benchmark: str) -> tuple[str, str]:

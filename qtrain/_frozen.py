@@ -46,6 +46,7 @@ Products (:func:`dot_product`, :func:`conv_product`) run by
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -62,6 +63,7 @@ from qtrain.kernels import prepared
 from qtrain.ops import config as cfg_lib
 from qtrain.ops import dispatch
 from qtrain.ops import im2col
+from qtrain.ops import lora as lora_ops
 from qtrain.ops import qt_operand as qop
 from qtrain.ops.conv_general_qt import quantized_conv
 from qtrain.ops.dot_general_qt import merge_tiled_contraction
@@ -69,7 +71,7 @@ from qtrain.ops.dot_general_qt import merge_tiled_contraction
 IMPLEMENTATIONS = cfg_lib.IMPLEMENTATIONS
 ARRAY_FIELDS = ("words", "w_scale", "w_zero", "scale_a", "bias_a", "bias")
 META_FIELDS = ("kind", "w_qtype", "k", "n", "kernel_shape", "group_size", "act", "layout",
-               "weight_operand", "weight_dtype", "param", "param_dtype", "op_id", "op_name")
+               "weight_operand", "weight_dtype", "param", "param_dtype", "op_id", "op_name", "lora")
 # What an activation's scale comes from at inference (FrozenLayer.act["scale"]):
 #   None: calibrated per call as the op's OperandQuant says;
 #   "given": FrozenLayer.scale_a (a learned scale, or a calibrated static one);
@@ -114,6 +116,9 @@ class FrozenLayer:
     op_id, op_name: the op of the module (``dot_general0``, ...) this layer
       replaces; None for a layer applied as a whole (qlayers, or frozen from
       a LayerQuant mapping / list of rules).
+    lora: None, or ``(("dropout", rate), ("scale", alpha / rank))``: the op
+      keeps a LoRA adapter (its ``A`` / ``B`` stay parameters of the module,
+      beside the frozen weight; :mod:`qtrain.lora`).
   """
 
   words: jax.Array
@@ -136,6 +141,11 @@ class FrozenLayer:
   param_dtype: str = "float32"
   op_id: str | None = None
   op_name: str | None = None
+  lora: Any = None
+
+  @property
+  def lora_dict(self) -> dict | None:
+    return None if self.lora is None else dict(self.lora)
 
   @property
   def act_dict(self) -> dict | None:
@@ -162,6 +172,7 @@ class FrozenLayer:
     out = {f: getattr(self, f) for f in META_FIELDS}
     out["kernel_shape"] = list(self.kernel_shape)
     out["act"] = self.act_dict
+    out["lora"] = self.lora_dict
     out["layout"] = _to_lists(self.layout)
     out["present"] = [f for f in ARRAY_FIELDS if getattr(self, f) is not None]
     return out
@@ -172,6 +183,7 @@ class FrozenLayer:
     kw = {f: meta[f] for f in META_FIELDS if f in meta}
     kw["kernel_shape"] = tuple(meta["kernel_shape"])
     kw["act"] = None if meta["act"] is None else tuple(sorted(meta["act"].items()))
+    kw["lora"] = None if meta.get("lora") is None else tuple(sorted(meta["lora"].items()))
     kw["layout"] = _to_tuples(meta.get("layout", ()))
     return cls(**{f: (arrays[f] if f in meta["present"] else None) for f in ARRAY_FIELDS}, **kw)
 
@@ -194,6 +206,13 @@ class Unsupported(Exception):
 
 # ----------------------------------------------------------------------------
 # Building: the weight quantized as its QT op does, stored packed.
+
+
+def lora_meta(rule) -> tuple | None:
+  """The hashable ``lora`` metadata of an op under ``rule`` (None without an adapter)."""
+  if not rule.has_lora:
+    return None
+  return (("dropout", float(rule.lora_dropout)), ("scale", float(rule.lora_scale)))
 
 
 def act_meta(oq: cfg_lib.OperandQuant | None, scale: str | None):
@@ -414,8 +433,17 @@ def _out_dtype(preferred, *dtypes):
 check_implementation = cfg_lib.check_implementation
 
 
-def _wants_kernel(impl: str) -> bool:
-  return impl in ("triton", "interpret") or (impl == "auto" and jax.default_backend() == "gpu")
+# "auto" runs a frozen product on the packed-weight kernels up to this many rows, XLA above:
+# the W4A16 / W8A16 kernels beat XLA's bf16 GEMM at M <= 16 and lose from M = 64 on
+# (benchmarks/RESULTS.md#k-8192x28672-m16-int4-w4a16, #k-8192x28672-m64-int4-w4a16,
+# #k-4096x4096-m64-int4-w4a16), as dispatch's AUTO_KERNEL has it for int8.
+AUTO_KERNEL_MAX_ROWS = 16
+
+
+def _wants_kernel(impl: str, rows: int) -> bool:
+  if impl in ("triton", "interpret"):
+    return True
+  return impl == "auto" and jax.default_backend() == "gpu" and rows <= AUTO_KERNEL_MAX_ROWS
 
 
 def _forced(impl: str, where: str, e: Exception) -> ValueError:
@@ -496,7 +524,8 @@ def dot_product(layer: FrozenLayer, a_val, dn, out_dtype, implementation: str, w
   impl = implementation
   w_idx = layer.weight_operand
   a_idx = 1 - w_idx
-  if impl == "mosaic" or _wants_kernel(impl):
+  rows = math.prod(a_val.shape[a] for a in qdot.free_axes(a_val.ndim, dn[0][a_idx], dn[1][a_idx]))
+  if impl == "mosaic" or _wants_kernel(impl, rows):
     try:
       if dn[1][a_idx]:
         raise Unsupported("batch dimensions")
@@ -562,7 +591,9 @@ def conv_product(layer: FrozenLayer, a_val, p, out_dtype, implementation: str, w
   """The convolution of the (quantized) input with the frozen kernel (``p``: the op's
   parameters, as :func:`~qtrain.ops.conv_general_qt.quantized_conv` takes them)."""
   impl = implementation
-  if impl == "mosaic" or _wants_kernel(impl):
+  # The input's positions: the im2col product's rows before strides and dilation.
+  rows = math.prod(a_val.shape[a] for a in p["dn"].lhs_spec if a != p["dn"].lhs_spec[1])
+  if impl == "mosaic" or _wants_kernel(impl, rows):
     try:
       x2d, lead = _im2col(layer, a_val, p)
       if impl == "mosaic":
@@ -576,6 +607,49 @@ def conv_product(layer: FrozenLayer, a_val, p, out_dtype, implementation: str, w
       out = jnp.moveaxis(out.reshape(lead + (layer.n,)), -1, 1)  # (N, O, out spatial...)
       return jnp.transpose(out, tuple(int(i) for i in np.argsort(p["dn"][2])))
   return quantized_conv(a_val, layer.kernel_qarray(), p, out_dtype)
+
+
+# ----------------------------------------------------------------------------
+# Gradients: a frozen product is differentiable with respect to its input.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Product:
+  """A frozen product ``fn(layer, x)`` and its float reference ``ref(x, w)`` (static)."""
+  fn: Any
+  ref: Any
+
+
+def _zero_cotangent(x):
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _with_input_grad(product: _Product, layer: FrozenLayer, x):
+  return product.fn(layer, x)
+
+
+def _with_input_grad_fwd(product, layer, x):
+  return product.fn(layer, x), (layer, x)
+
+
+def _with_input_grad_bwd(product, res, g):
+  # The gradient of the float product with the dequantized weight: the input's quantization
+  # (if the layer has one) passes it straight through, the frozen weight gets none.
+  # The barrier ties the weight's dequantization to the incoming gradient: XLA can neither
+  # share it with the forward's (which would keep every layer's dequantized weight alive
+  # from the forward to the backward) nor hoist it ahead of the backward.
+  layer, x = res
+  g, bar = jax.lax.optimization_barrier((g, layer))
+  w = bar.kernel_qarray().dequantize(x.dtype)
+  _, vjp = jax.vjp(lambda a: product.ref(a, w), x)
+  (dx,) = vjp(g.astype(x.dtype))
+  return jax.tree.map(_zero_cotangent, layer), dx.astype(x.dtype)
+
+
+_with_input_grad.defvjp(_with_input_grad_fwd, _with_input_grad_bwd)
 
 
 # ----------------------------------------------------------------------------
@@ -606,9 +680,14 @@ def _check_float(x, where):
 
 
 def dot_general(layer: FrozenLayer, lhs, rhs, dimension_numbers, *, preferred_element_type=None,
-                weight_operand: int | None = None, implementation: str, where: str):
+                weight_operand: int | None = None, implementation: str, where: str,
+                adapter=None):
   """A ``dot_general`` whose weight operand is frozen (the weight array, if passed, is
-  only checked: a placeholder of the parameter's shape and dtype)."""
+  only checked: a placeholder of the parameter's shape and dtype).
+
+  Differentiable with respect to the input: the gradient of the float product
+  with the dequantized weight. ``adapter``: None, or ``(A, B, dropout key or
+  None)`` of the layer's LoRA adapter, added to the product."""
   if layer.kind != "dot":
     raise _mismatch(where, f"it was frozen as a {layer.kind} but is called as a dot")
   w_idx = layer.weight_operand
@@ -629,6 +708,35 @@ def dot_general(layer: FrozenLayer, lhs, rhs, dimension_numbers, *, preferred_el
   _check_float(act, where)
   out_dtype = _out_dtype(preferred_element_type, jnp.result_type(act),
                          layer.weight_dtype if w is None else jnp.result_type(w))
+  ref = functools.partial(_ref_dot, dn=dn, w_idx=w_idx)
+  out = _with_input_grad(_Product(functools.partial(
+      _dot_forward, dn=dn, out_dtype=out_dtype, implementation=implementation, where=where), ref),
+      layer, act)
+  if adapter is None:
+    return out
+  return out + _adapter_delta(layer, adapter, act, dn, where, out.dtype)
+
+
+def _ref_dot(x, w, *, dn, w_idx):
+  ops = (w, x) if w_idx == 0 else (x, w)
+  return jax.lax.dot_general(*ops, dn)
+
+
+def _adapter_delta(layer: FrozenLayer, adapter, act, dn, where, dtype):
+  if layer.lora is None:
+    raise ValueError(f"frozen layer {where!r} was given a LoRA adapter but was frozen without one")
+  a, b, key = adapter
+  lay = lora_ops.layout(layer.kernel_shape, dn, weight_operand=layer.weight_operand)
+  lora_ops.check_shapes(a, b, lay, f"frozen layer {where!r}")
+  meta = layer.lora_dict
+  return lora_ops.delta(act, a, b, lay, scale=meta["scale"], dropout=meta["dropout"], key=key,
+                        dtype=dtype).astype(dtype)
+
+
+def _dot_forward(layer: FrozenLayer, act, *, dn, out_dtype, implementation, where):
+  # Dequantize (on the XLA path) when the input is there, not ahead of the whole forward.
+  act, layer = jax.lax.optimization_barrier((act, layer))
+  w_idx = layer.weight_operand
   act = shift_act(layer, act, dn[0][1 - w_idx])
   act, merged_w, dn = merge_contraction(
       act, jnp.zeros(layer.kernel_shape, layer.weight_dtype), dn, w_idx,
@@ -677,6 +785,23 @@ def conv_general_dilated(layer: FrozenLayer, lhs, rhs, window_strides, padding, 
                            f"for {layer.layout}")
   out_dtype = _out_dtype(preferred_element_type, jnp.result_type(lhs),
                          layer.weight_dtype if rhs is None else jnp.result_type(rhs))
+  pk = tuple(sorted((k, v) for k, v in p.items()))
+  return _with_input_grad(_Product(
+      functools.partial(_conv_forward, p=pk, out_dtype=out_dtype, implementation=implementation,
+                        where=where),
+      functools.partial(_ref_conv, p=pk)), layer, lhs)
+
+
+def _ref_conv(x, w, *, p):
+  p = dict(p)
+  return jax.lax.conv_general_dilated(
+      x, w, p["window_strides"], p["padding"], p["lhs_dilation"], p["rhs_dilation"], p["dn"],
+      p["feature_group_count"], p["batch_group_count"])
+
+
+def _conv_forward(layer: FrozenLayer, lhs, *, p, out_dtype, implementation, where):
+  p = dict(p)
+  lhs, layer = jax.lax.optimization_barrier((lhs, layer))
   lhs_spec = p["dn"].lhs_spec
   a_val = quantize_act(layer, lhs, contract=(lhs_spec[1],),
                        channel_axes=(lhs_spec[0],) if p["batch_group_count"] == 1 else (),
@@ -685,7 +810,7 @@ def conv_general_dilated(layer: FrozenLayer, lhs, rhs, window_strides, padding, 
 
 
 def einsum(layer: FrozenLayer, subscripts, operands, kwargs, *, weight_operand, implementation,
-           where):
+           where, adapter=None):
   """A two-operand einsum whose weight is frozen (planned as the QT provider plans it)."""
 
   shapes = tuple(jnp.shape(o) for o in operands)
@@ -699,5 +824,5 @@ def einsum(layer: FrozenLayer, subscripts, operands, kwargs, *, weight_operand, 
   def dg(lhs, rhs, dn):
     return dot_general(layer, lhs, rhs, dn, preferred_element_type=kwargs.get(
         "preferred_element_type"), weight_operand=weight_operand, implementation=implementation,
-                       where=where)
+                       where=where, adapter=adapter)
   return _einsum.run(plan, *operands, dg)

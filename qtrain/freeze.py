@@ -63,7 +63,10 @@ parameter itself as its weight (as the QT forward's interception expects).
   the quantized model's forward (op by op; under ``jax.jit`` XLA may sum a
   float x dequantized product of either graph in another order);
 * ``"auto"``: on a GPU, the Triton kernels on the packed weights where they
-  take the layer, else as ``"xla"`` through dispatch's ``"auto"``; elsewhere
+  take the layer and the product has at most
+  :data:`qtrain._frozen.AUTO_KERNEL_MAX_ROWS` (16) rows, where they were
+  measured faster than XLA's bf16 GEMM (decoding); larger products (prefill,
+  QLoRA training) as ``"xla"`` through dispatch's ``"auto"``; elsewhere
   the XLA path (the same choice the rules' default makes, so on the CPU the
   same numbers as the quantized model);
 * ``"triton"`` / ``"interpret"``: the qtrain Triton kernels
@@ -115,11 +118,13 @@ from flax import nnx
 from flax.core import meta as flax_meta
 
 from qtrain import _frozen
+from qtrain import lora as lora_lib
 from qtrain import provider as provider_lib
 from qtrain._frozen import FrozenLayer
 from qtrain.binary import LayerQuant
 from qtrain.flax import intercept as _intercept
 from qtrain.flax import model as model_lib
+from qtrain.ops import lora as lora_ops
 from qtrain.qlayers import QConv, QDense
 from qtrain.rules import QtRule
 
@@ -250,7 +255,8 @@ def _weight_param(module_params: Mapping, shape, where: str) -> str:
   """The name of the module's parameter that is the op's weight operand (by shape)."""
   shape = tuple(shape)
   own = {k: v for k, v in module_params.items()
-         if not isinstance(v, Mapping) and not k.endswith(("_act_scale", "_act_shift"))}
+         if not isinstance(v, Mapping) and
+         not k.endswith(("_act_scale", "_act_shift", "_lora_a", "_lora_b"))}
   hits = [k for k, v in own.items() if tuple(np.shape(v)) == shape]
   if "kernel" in hits:
     return "kernel"
@@ -305,7 +311,8 @@ def _from_record(rec, provider, module_params: Mapping, state: Mapping, where: s
   a_cfg = provider._operand(rule, weight=False, given_scale=scale_kind is not None, conv=conv)
   fields = dict(scale_a=scale_a, bias_a=bias_a, bias=None, act=_frozen.act_meta(a_cfg, scale_kind),
                 weight_operand=w_idx, weight_dtype=dtypes[w_idx], param=name,
-                param_dtype=jnp.dtype(raw.dtype).name, op_id=rec.op_id, op_name=rec.op_name)
+                param_dtype=jnp.dtype(raw.dtype).name, op_id=rec.op_id, op_name=rec.op_name,
+                lora=_frozen.lora_meta(rule))
   w_cfg = provider._operand(rule, weight=True, given_scale=False, conv=conv)
   kernel = jnp.asarray(raw).astype(dtypes[w_idx])  # the module's cast, as the op saw it
   if conv:
@@ -383,6 +390,10 @@ def _freeze_records(variables, provider) -> dict:
                                                            "act_static_count")
                       if state[n] is not None)
   rest = dict(variables)
+  # Ops left in float keep no adapter of their own: theirs folds into their kernel.
+  frozen_ops = {(r.path, r.op_id) for r in recs}
+  rest["params"] = lora_lib.merge_params(rest["params"], provider,
+                                         keep=lambda path, op_id: (path, op_id) in frozen_ops)
   for path in sorted(drop_params):
     rest["params"] = _remove(rest["params"], path)
   if drop_stats:
@@ -443,10 +454,16 @@ class FrozenOp(nnx.Module):
       :func:`apply_frozen`).
   """
 
-  def __init__(self, layer: FrozenLayer, *, path: str, op_name: str, implementation: str = "auto"):
+  def __init__(self, layer: FrozenLayer, *, path: str, op_name: str, implementation: str = "auto",
+               adapter=None):
     self.path = path
     self.op_name = op_name
     self.implementation = _frozen.check_implementation(implementation)
+    self.deterministic = False
+    if adapter is not None:  # (LoraA, LoraB, dropout RngStream or None): carried over as they are
+      self.lora_a, self.lora_b = adapter[0], adapter[1]
+      if adapter[2] is not None:
+        self.lora_dropout_rng = adapter[2]
     self.spec = _static(dataclasses.replace(layer, **{f: None for f in _ARRAY_FIELDS}))
     for f in _ARRAY_FIELDS:
       if getattr(layer, f) is not None:
@@ -466,7 +483,8 @@ class FrozenOp(nnx.Module):
     if self.op_name == "einsum":
       subscripts, *operands = args
       return _frozen.einsum(self.layer, subscripts, operands, kwargs, weight_operand=1,
-                            implementation=self.implementation, where=_where(self.path))
+                            implementation=self.implementation, where=_where(self.path),
+                            adapter=self._adapter())
     return _frozen.conv_general_dilated(self.layer, *args, **kwargs,
                                         implementation=self.implementation,
                                         where=_where(self.path))
@@ -476,7 +494,15 @@ class FrozenOp(nnx.Module):
     del precision  # a product of quantized values has its own (the QT op's) precision
     return _frozen.dot_general(self.layer, lhs, rhs, dimension_numbers,
                                preferred_element_type=preferred_element_type, weight_operand=1,
-                               implementation=self.implementation, where=_where(self.path))
+                               implementation=self.implementation, where=_where(self.path),
+                               adapter=self._adapter())
+
+  def _adapter(self):
+    if getattr(self, "lora_a", None) is None:
+      return None
+    rng = getattr(self, "lora_dropout_rng", None)
+    key = None if (rng is None or self.deterministic) else rng()
+    return self.lora_a[...], self.lora_b[...], key
 
 
 _NNX_HOOKS = ("dot_general", "einsum_op", "conv_general_dilated")
@@ -497,6 +523,21 @@ def _nnx_hooks(model, cls):
 
 def _vget(v):
   return v.get_value() if hasattr(v, "get_value") else v.value
+
+
+def _fold_nnx(node, op, rec, where):
+  _, dn, shapes, _ = rec.contraction
+  lay = lora_ops.layout(shapes[1], dn, weight_operand=1)
+  params = {k: v for k, v in vars(node).items()
+            if isinstance(v, nnx.Param) and not isinstance(v, nnx.LoRAParam)}
+  name = _weight_param({k: _vget(v) for k, v in params.items()}, lay.w_shape, where)
+  rule = op.provider.rules[rec.rule_index]
+  folded = lora_ops.fold(_vget(params[name]), _vget(op.lora_a), _vget(op.lora_b), lay,
+                         scale=rule.lora_scale)
+  if hasattr(params[name], "set_value"):
+    params[name].set_value(folded)
+  else:  # pragma: no cover
+    params[name].value = folded
 
 
 def _freeze_nnx(model, provider=None):
@@ -520,13 +561,21 @@ def _freeze_nnx(model, provider=None):
       raise ValueError(f"freeze: the op of nnx module {where!r} has not run yet: call the model "
                        "once (or pass sample inputs to quantize_model) before freezing")
     if rec.status != provider_lib.QUANTIZED:  # left in float by the QT model: float here too
+      if getattr(op, lora_ops.A_NAME, None) is not None:  # its adapter folds into its weight
+        _fold_nnx(node, op, rec, where)
       setattr(node, attr, _static(op.original))
       continue
     _check_unmasked(node, where)
-    params = {k: _vget(v) for k, v in vars(node).items() if isinstance(v, nnx.Param)}
+    params = {k: _vget(v) for k, v in vars(node).items()
+              if isinstance(v, nnx.Param) and not isinstance(v, nnx.LoRAParam)}
     state = {n: _vget(getattr(op, n)) for n in _STATE_NAMES if getattr(op, n, None) is not None}
     layer = _from_record(rec, op.provider, params, state, where)
-    setattr(node, attr, _data(FrozenOp(layer, path=op.path, op_name=op.op_name)))
+    adapter = None
+    if layer.lora is not None:
+      adapter = (op.lora_a, op.lora_b, getattr(op, "lora_dropout_rng", None))
+    fop = FrozenOp(layer, path=op.path, op_name=op.op_name, adapter=adapter)
+    fop.deterministic = op.deterministic
+    setattr(node, attr, _data(fop))
     setattr(node, layer.param, _static(Placeholder(layer.kernel_shape, layer.param_dtype)))
   return frozen
 
@@ -642,6 +691,22 @@ def _conv_padding(mod):
   return tuple((p, p) if isinstance(p, int) else tuple(p) for p in pad)
 
 
+def _linen_adapter(host, hit):
+  """(A, B, dropout key) of a frozen op's adapter from its module's params, or None."""
+  layer, where = hit
+  if layer.lora is None:
+    return None
+  names = [f"{host.op_id}_{n}" for n in (lora_ops.A_NAME, lora_ops.B_NAME)]
+  params = host.module.variables.get("params", {})
+  if any(n not in params for n in names):
+    raise ValueError(f"frozen layer {where!r} keeps a LoRA adapter, but the variables hold no "
+                     f"{names[0]!r} / {names[1]!r} for it: pass freeze's variables (with the "
+                     "adapters) to apply_frozen")
+  a, b = (flax_meta.unbox(params[n]) for n in names)
+  key = host.dropout_key() if layer.lora_dict["dropout"] > 0 else None
+  return a, b, key
+
+
 class _FrozenOps:
   """What the linen interception calls in place of a QtProvider while a frozen model runs:
   frozen ops compute from their packed weights, every other op runs its float original."""
@@ -668,14 +733,15 @@ class _FrozenOps:
     return _frozen.dot_general(hit[0], lhs, rhs, dimension_numbers,
                                preferred_element_type=preferred_element_type,
                                weight_operand=weight_operand, implementation=self.implementation,
-                               where=hit[1])
+                               where=hit[1], adapter=_linen_adapter(host, hit))
 
   def einsum(self, host, path, op_id, subscripts, operands, kwargs, *, weight_operand, fallback):
     hit = self._hit(path, op_id, kwargs.get("out_sharding"))
     if hit is None:
       return fallback(subscripts, *operands, **kwargs)
     return _frozen.einsum(hit[0], subscripts, operands, kwargs, weight_operand=weight_operand,
-                          implementation=self.implementation, where=hit[1])
+                          implementation=self.implementation, where=hit[1],
+                          adapter=_linen_adapter(host, hit))
 
   def conv_general_dilated(self, host, path, op_id, lhs, rhs, window_strides, padding,
                            lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
@@ -912,9 +978,17 @@ def _load_nnx(model, ops_meta, state):
     sub = state
     for part in (m["owner"].split("/") if m["owner"] else []):
       sub = sub[part]
-    arrays = {f: jnp.asarray(v) for f, v in sub[m["attr"]].items()}
+    saved = sub[m["attr"]]
+    arrays = {f: jnp.asarray(v) for f, v in saved.items() if f in _ARRAY_FIELDS}
     layer = FrozenLayer.from_meta(lm, arrays)
-    setattr(node, m["attr"], _data(FrozenOp(layer, path=m["path"], op_name=m["op_name"])))
+    adapter = None
+    if layer.lora is not None:  # stand-ins of the saved shapes; the state restore fills them
+      adapter = (model_lib.LoraA(jnp.zeros(np.shape(saved[lora_ops.A_NAME]), jnp.float32)),
+                 model_lib.LoraB(jnp.zeros(np.shape(saved[lora_ops.B_NAME]), jnp.float32)),
+                 nnx.RngStream(jax.random.key(0), tag="dropout")
+                 if "lora_dropout_rng" in saved else None)
+    setattr(node, m["attr"], _data(FrozenOp(layer, path=m["path"], op_name=m["op_name"],
+                                            adapter=adapter)))
     setattr(node, layer.param, _static(Placeholder(layer.kernel_shape, layer.param_dtype)))
   graphdef, abstract = nnx.split(frozen)
   nnx.replace_by_pure_dict(abstract, jax.tree.map(jnp.asarray, state))

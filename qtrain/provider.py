@@ -46,6 +46,10 @@ from qtrain.core import qtypes
 from qtrain.ops import config as cfg_lib
 from qtrain.ops import conv_general_qt as _conv_general_qt
 from qtrain.ops import dot_general_qt as _dot_general_qt
+from qtrain.ops import lora as lora_lib
+
+DROPOUT_STREAM = "dropout"
+"""The Flax RNG stream LoRA dropout keys are drawn from (flax's own dropout stream)."""
 
 RNG_STREAM = "quant"
 """The Flax RNG stream stochastic-rounding keys are drawn from.
@@ -62,6 +66,7 @@ FLOAT_NO_RULE = "float: no rule matched"
 FLOAT_RULE = "float: rule sets no qtype"
 FLOAT_NO_WEIGHT = "float: no weight operand"
 FLOAT_UNSUPPORTED = "float: unsupported form"
+FLOAT_LORA = "float + LoRA"
 
 
 class Host(Protocol):
@@ -75,6 +80,8 @@ class Host(Protocol):
   def set_stat(self, name: str, value: jax.Array) -> None: ...
   def rng_key(self, stream: str, what: str) -> jax.Array | None: ...
   def missing_rng_message(self, stream: str, what: str) -> str: ...
+  def init_key(self, what: str) -> jax.Array: ...
+  def dropout_key(self) -> jax.Array | None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +295,8 @@ class QtProvider:
   def _rec(self, path, op_id, op_name, m, status, w_idx, shapes, contraction=None):
     rule = m[1] if m else None
     quant = status == QUANTIZED
+    if status == QUANTIZED and rule is not None and not rule.quantizes:
+      status = FLOAT_LORA
     self.record(OpRecord(
         path=path, op_id=op_id, op_name=op_name, rule_index=m[0] if m else None, status=status,
         weight_operand=None if (w_idx is None or w_idx < 0) else ("lhs", "rhs")[w_idx],
@@ -300,7 +309,7 @@ class QtProvider:
     """Records an op left in float by the interception layer (and warns if a rule wanted it)."""
     m = self.match(path, op_name)
     self._rec(path, op_id, op_name, m, status, None, shapes)
-    if m is not None and m[1].quantizes:
+    if m is not None and m[1].active:
       self.warn_once((path, op_id, status),
                      f"qtrain: {op_name} in module {path!r} matches rules[{m[0]}] but stays in "
                      f"float ({status})")
@@ -393,7 +402,7 @@ class QtProvider:
       kw = {} if out_sharding is None else {"out_sharding": out_sharding}
       return fallback(lhs, rhs, dimension_numbers, precision=precision,
                       preferred_element_type=preferred_element_type, **kw)
-    if m is None or not m[1].quantizes:
+    if m is None or not m[1].active:
       self._rec(path, op_id, op_name, m, FLOAT_NO_RULE if m is None else FLOAT_RULE, weight_operand,
                 shapes)
       return float_call()
@@ -407,8 +416,15 @@ class QtProvider:
             f"qtrain: {op_name} in module {path!r} was called with out_sharding={out_sharding!r}; "
             "quantized ops do not take out_sharding (shard the inputs instead)")
       dn = qdot.normalize_dimension_numbers(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
+      if not rule.quantizes:  # an adapter on the float op
+        self._rec(path, op_id, op_name, m, QUANTIZED, weight_operand, shapes,
+                  ("dot_general", dn, *_shapes_dtypes((lhs, rhs))))
+        out = float_call()
+        return out + self._lora(host, rule, path, (lhs, rhs)[1 - weight_operand],
+                                jnp.shape((lhs, rhs)[weight_operand]), dn, weight_operand, out)
       ops = [lhs, rhs]
       a_idx = 1 - weight_operand
+      x_orig = ops[a_idx]
       act, act_scale = ops[a_idx], None
       if rule.act_qtype is not None:
         act, act_scale = self._act_state(host, rule, act, dn[0][a_idx])
@@ -427,14 +443,32 @@ class QtProvider:
       out = _dot_general_qt(ops[0], ops[1], dn, cfg, precision=precision,
                             preferred_element_type=preferred_element_type, key=key,
                             lhs_scale=scales[0], rhs_scale=scales[1])
+      if rule.has_lora:
+        out = out + self._lora(host, rule, path, x_orig, jnp.shape(ops[weight_operand]), dn,
+                               weight_operand, out)
       return out if missing is None else _grad_guard(out, missing)
+
+  def _lora(self, host: Host, rule, path, x, w_shape, dn, weight_operand, out):
+    """The rule's adapter on this op: ``scale * dropout(x) . A . B`` in ``out``'s layout."""
+    lay = lora_lib.layout(w_shape, dn, weight_operand=weight_operand)
+    what = f"the LoRA adapter of module {path!r}"
+    if host.initializing:
+      a0, b0 = lora_lib.init(host.init_key(what), lay, rule.lora_rank)
+    else:
+      a0 = b0 = None
+    a = host.param(lora_lib.A_NAME, lambda: a0)
+    b = host.param(lora_lib.B_NAME, lambda: b0)
+    lora_lib.check_shapes(a, b, lay, what)
+    key = host.dropout_key() if rule.lora_dropout > 0 else None
+    return lora_lib.delta(x, a, b, lay, scale=rule.lora_scale, dropout=rule.lora_dropout, key=key,
+                          dtype=out.dtype).astype(out.dtype)
 
   def einsum(self, host: Host, path: str, op_id: str, subscripts, operands, kwargs, *,
              weight_operand: int | None, fallback: Callable):
     """A two-operand einsum, computed as one dot_general (never through jnp.einsum's jit)."""
     m = self.match(path, "einsum")
     shapes = tuple(jnp.shape(o) for o in operands)
-    if m is None or not m[1].quantizes:
+    if m is None or not m[1].active:
       self._rec(path, op_id, "einsum", m, FLOAT_NO_RULE if m is None else FLOAT_RULE,
                 weight_operand, shapes)
       return fallback(subscripts, *operands, **kwargs)
@@ -469,6 +503,11 @@ class QtProvider:
     """A convolution called by module ``path`` (the weight must be the kernel, ``rhs``)."""
     m = self.match(path, "conv_general_dilated")
     shapes = (jnp.shape(lhs), jnp.shape(rhs))
+    if m is not None and m[1].has_lora:
+      raise OpError(f"qtrain: rules[{m[0]}] (module_path={m[1].module_path!r}) sets lora_rank="
+                    f"{m[1].lora_rank} and matches conv_general_dilated in module {path!r}: LoRA "
+                    "adapters go on dot_general and einsum ops; restrict the rule with "
+                    "op_names=('dot_general', 'einsum')")
 
     def float_call():
       kw = {} if out_sharding is None else {"out_sharding": out_sharding}

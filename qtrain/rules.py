@@ -122,6 +122,17 @@ class QtRule:
   Where it runs:
     implementation: ``"auto"``, ``"xla"``, ``"triton"``, ``"mosaic"`` or ``"interpret"``
       (:mod:`qtrain.ops.dispatch`).
+
+  Low-rank adapter (LoRA; ``dot_general`` and ``einsum`` ops, see :mod:`qtrain.lora`):
+    lora_rank: adds a trainable adapter ``A (K, r)``, ``B (r, N)`` of this rank
+      to each op the rule matches: the op computes ``x . W + (lora_alpha /
+      lora_rank) * dropout(x) . A . B``, with ``x . W`` quantized as the rest
+      of the rule says (or float: a rule may set only LoRA fields). None: no
+      adapter.
+    lora_alpha: the adapter's scale numerator (default: ``lora_rank``, scale 1).
+    lora_dropout: dropout rate on the adapter's input, in [0, 1); applied when
+      the apply is given keys from the ``"dropout"`` RNG stream (linen) or the
+      nnx model is in training mode (``rngs`` with a ``"dropout"`` stream).
   """
 
   module_path: str = ".*"
@@ -147,6 +158,9 @@ class QtRule:
   bwd_calibration_method: object = "absmax"
   bwd_stochastic_rounding: str | None = None
   implementation: str = "auto"
+  lora_rank: int | None = None
+  lora_alpha: float | None = None
+  lora_dropout: float = 0.0
 
   def __post_init__(self):
     errors: list[str] = []
@@ -262,6 +276,24 @@ class QtRule:
       cfg_lib.check_implementation(self.implementation)
     except ValueError as e:
       errors.append(str(e))
+    # LoRA.
+    if self.lora_rank is not None and (isinstance(self.lora_rank, bool) or
+                                       not isinstance(self.lora_rank, int) or self.lora_rank <= 0):
+      errors.append(f"lora_rank={self.lora_rank!r} must be a positive int or None")
+    if self.lora_alpha is not None and (isinstance(self.lora_alpha, bool) or
+                                        not isinstance(self.lora_alpha, (int, float)) or
+                                        not self.lora_alpha > 0):
+      errors.append(f"lora_alpha={self.lora_alpha!r} must be a number > 0 or None")
+    if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, (int, float)) or \
+        not 0.0 <= self.lora_dropout < 1.0:
+      errors.append(f"lora_dropout={self.lora_dropout!r} must be in [0, 1)")
+    if self.lora_rank is None:
+      for name, default in (("lora_alpha", None), ("lora_dropout", 0.0)):
+        if getattr(self, name) != default:
+          errors.append(f"{name}={getattr(self, name)!r} is set but lora_rank is None")
+    elif self.op_names is not None and "conv_general_dilated" in self.op_names:
+      errors.append(f"lora_rank={self.lora_rank} with op_names={self.op_names}: LoRA adapters go "
+                    "on dot_general and einsum ops, not convolutions")
     if not isinstance(self.disable_channelwise_axes, bool):
       errors.append(f"disable_channelwise_axes={self.disable_channelwise_axes!r} must be a bool")
     if errors:
@@ -298,14 +330,32 @@ class QtRule:
     return any(q is not None for q in (self.weight_qtype, self.act_qtype, self.bwd_qtype))
 
   @property
+  def has_lora(self) -> bool:
+    """Whether ops under this rule carry a low-rank adapter."""
+    return self.lora_rank is not None
+
+  @property
+  def lora_scale(self) -> float:
+    """``lora_alpha / lora_rank`` (1.0 when ``lora_alpha`` is None)."""
+    if self.lora_rank is None:
+      raise ValueError("lora_scale: this rule has no lora_rank")
+    return 1.0 if self.lora_alpha is None else float(self.lora_alpha) / self.lora_rank
+
+  @property
+  def active(self) -> bool:
+    """Whether ops under this rule leave float ``x . W``: quantized, or given an adapter."""
+    return self.quantizes or self.has_lora
+
+  @property
   def needs_rng(self) -> bool:
     """Whether ops under this rule draw keys from the ``"quant"`` RNG stream."""
     return self.bwd_stochastic_rounding is not None
 
   @property
   def has_state(self) -> bool:
-    """Whether ops under this rule keep Flax state (static or learned scales)."""
-    return self.act_static_scale or self.act_learnable_scale or self.act_learnable_shift
+    """Whether ops under this rule keep Flax state (static or learned scales, adapters)."""
+    return (self.act_static_scale or self.act_learnable_scale or self.act_learnable_shift or
+            self.has_lora)
 
   def short(self) -> str:
     """A one-line description: the qtypes set."""
@@ -317,6 +367,8 @@ class QtRule:
         parts.append(f"{name}_gran={g}")
     if self.bwd_stochastic_rounding:
       parts.append(f"sr={self.bwd_stochastic_rounding}")
+    if self.has_lora:
+      parts.append(f"lora_rank={self.lora_rank}")
     return " ".join(parts)
 
 

@@ -40,5 +40,5 @@ def test_the_public_api_has_examples():
   """The modules a user starts from show how they are used."""
   for name in ("qtrain", "qtrain.flax.model", "qtrain.provider", "qtrain.rules",
                "qtrain.ops.dot_general_qt", "qtrain.ops.conv_general_qt", "qtrain.core.qarray",
-               "qtrain.freeze", "qtrain.binary", "qtrain.optim"):
+               "qtrain.freeze", "qtrain.binary", "qtrain.optim", "qtrain.lora"):
     assert _examples(name) > 0, f"{name} has no docstring example"

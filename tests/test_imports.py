@@ -49,7 +49,7 @@ def layer(mod: str) -> str:
     return "api"
   if mod == "qtrain.qlayers":
     return "layers"
-  if mod in ("qtrain.freeze", "qtrain._frozen"):
+  if mod in ("qtrain.freeze", "qtrain._frozen", "qtrain.lora"):
     return "export"
   raise AssertionError(f"{mod}: no layer assigned; add it to tests/test_imports.py")
 

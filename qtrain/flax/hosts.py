@@ -1,7 +1,7 @@
 """Where a linen op keeps its state: the calling module's scope.
 
 :class:`LinenHost` gives the provider an op's parameters (learned scales and
-shifts, named ``<op id>_<name>``), its calibration statistics (the
+shifts, LoRA adapters, named ``<op id>_<name>``), its calibration statistics (the
 ``"quant_stats"`` collection) and its PRNG keys, in the scope of the linen
 module whose ``dot_general`` / ``einsum`` / ``conv_general_dilated`` was
 intercepted; :func:`linen_weight_operand` says which operand is the weight.
@@ -74,6 +74,17 @@ class LinenHost:
     if not self.module.scope.has_rng(stream):
       return None  # forward-only use is fine; a gradient raises missing_rng_message
     return self.module.make_rng(stream)
+
+  def init_key(self, what):
+    if not self.module.scope.has_rng("params"):
+      raise ValueError(f"qtrain: {what} is initialised from the 'params' RNG stream, which this "
+                       "call was not given: create it in init (qmodel.init(key, ...))")
+    return self.module.make_rng("params")
+
+  def dropout_key(self):
+    if not self.module.scope.has_rng("dropout"):
+      return None  # evaluation: no dropout
+    return self.module.make_rng("dropout")
 
   def missing_rng_message(self, stream, what):
     return (f"qtrain: {what} needs keys from the Flax RNG stream {stream!r} for its gradient, "

@@ -112,7 +112,16 @@ class ActShift(nnx.Param):
   """A learned per-input-feature activation shift (bitorch-engine's ``bias_a``)."""
 
 
-_STATE_TYPES = {"act_scale": ActScale, "act_shift": ActShift}
+class LoraA(nnx.LoRAParam):
+  """A LoRA adapter's down projection ``A`` (K, r); ``nnx.Optimizer(..., wrt=nnx.LoRAParam)``
+  trains the adapters alone."""
+
+
+class LoraB(nnx.LoRAParam):
+  """A LoRA adapter's up projection ``B`` (r, N), initialised to zeros."""
+
+
+_STATE_TYPES = {"act_scale": ActScale, "act_shift": ActShift, "lora_a": LoraA, "lora_b": LoraB}
 
 
 def _vget(v):
@@ -138,9 +147,9 @@ class _NnxHost:
     if v is None:
       if not self.initializing:
         raise ValueError(
-            f"qtrain: the op in nnx module {self.op.path!r} keeps state {name!r} (static or "
-            "learned activation scale) that was never created: pass sample inputs to "
-            "qtrain.quantize_model(model, provider, *sample_args)")
+            f"qtrain: the op in nnx module {self.op.path!r} keeps state {name!r} (a static or "
+            "learned activation scale, or a LoRA adapter) that was never created: pass sample "
+            "inputs to qtrain.quantize_model(model, provider, *sample_args)")
       v = cls(init_fn())
       setattr(self.op, name, v)
     return _vget(v)
@@ -162,6 +171,19 @@ class _NnxHost:
     return (f"qtrain: {what} needs keys from the RNG stream {stream!r}: pass "
             f"rngs=nnx.Rngs({stream}=seed) to qtrain.quantize_model")
 
+  def init_key(self, what):
+    rng = getattr(self.op, "lora_init_rng", None)
+    if rng is None:
+      raise ValueError(f"qtrain: {what} is initialised from the 'params' RNG stream: pass "
+                       "rngs=nnx.Rngs(params=seed) to qtrain.quantize_model")
+    return rng()
+
+  def dropout_key(self):
+    rng = getattr(self.op, "lora_dropout_rng", None)
+    if rng is None or self.op.deterministic:
+      return None
+    return rng()
+
 
 class QtOp(nnx.Module):
   """The quantized op an nnx layer calls in place of its ``dot_general`` / ``einsum_op`` /
@@ -172,6 +194,8 @@ class QtOp(nnx.Module):
     op_name: ``dot_general``, ``einsum`` or ``conv_general_dilated``.
     calibrate: update static activation scales on each call (see
       :func:`set_calibrate`).
+    deterministic: no LoRA dropout (``model.eval()`` sets it, ``model.train()``
+      clears it, as for ``nnx.Dropout``).
   """
 
   def __init__(self, *, provider, path: str, op_name: str, original, rng=None):
@@ -180,6 +204,7 @@ class QtOp(nnx.Module):
     self.op_name = op_name
     self.original = original
     self.calibrate = True
+    self.deterministic = False
     self.initializing = False
     if rng is not None:
       self.rng = rng
@@ -291,7 +316,7 @@ def _op_stream(stream, stack: tuple[int, ...], tag: str):
   return nnx.RngStream(jax.random.split(stream(), stack), tag=tag)
 
 
-_OP_STATE = ("act_static_scale", "act_static_count", "act_scale", "act_shift")
+_OP_STATE = ("act_static_scale", "act_static_count", "act_scale", "act_shift", "lora_a", "lora_b")
 
 
 def _weight_arg(op_name: str, args) -> Any:
@@ -337,6 +362,15 @@ def _warn_no_hook(provider, user_modules, flax_layers):
                        stacklevel=5)
 
 
+def _stream(rngs, name):
+  if rngs is None:
+    return None
+  try:
+    return rngs[name]
+  except (KeyError, AttributeError):
+    return None
+
+
 def _quantize_nnx(model, provider, sample_args, sample_kwargs, rngs):
   stream = None
   if rngs is not None:
@@ -352,7 +386,7 @@ def _quantize_nnx(model, provider, sample_args, sample_kwargs, rngs):
     hook = _nnx_hook(node)
     if hook is None:
       if _owns_params(node) and (isinstance(node, _FLAX_OP_LAYERS) or not _is_flax_layer(node)):
-        hit = [i for i, r in enumerate(provider.rules) if r.quantizes and
+        hit = [i for i, r in enumerate(provider.rules) if r.active and
                any(r.matches(pstr, o) for o in ("dot_general", "einsum", "conv_general_dilated"))]
         if hit:
           (flax_layers if _is_flax_layer(node) else user_modules).append((pstr, node, hit[0]))
@@ -360,10 +394,17 @@ def _quantize_nnx(model, provider, sample_args, sample_kwargs, rngs):
     attr, op_name = hook
     all_ops.append((pstr, op_name))
     m = provider.match(pstr, op_name)
-    if m is None or not m[1].quantizes:
+    if m is None or not m[1].active:
       provider.note_skipped(pstr, f"{op_name}0", op_name,
                             provider_lib.FLOAT_NO_RULE if m is None else provider_lib.FLOAT_RULE)
       continue
+    for name, field, why in (("params", "lora_rank", "initialises its LoRA adapters"),
+                             ("dropout", "lora_dropout", "draws LoRA dropout keys")):
+      if getattr(m[1], field) and _stream(rngs, name) is None:
+        raise ValueError(
+            f"qtrain: rules[{m[0]}] ({field}={getattr(m[1], field)!r}) matches {pstr!r} and {why} "
+            f"from the RNG stream {name!r}: pass rngs=nnx.Rngs({name}=seed) to "
+            "qtrain.quantize_model")
     if m[1].needs_rng and stream is None:
       raise ValueError(
           f"qtrain: rules[{m[0]}] (bwd_stochastic_rounding={m[1].bwd_stochastic_rounding!r}) "
@@ -396,6 +437,13 @@ def _quantize_nnx(model, provider, sample_args, sample_kwargs, rngs):
     op = QtOp(provider=provider, path=pstr, op_name=op_name, original=original)
     if m[1].needs_rng and stacks[pstr] is not None:
       op.rng = _op_stream(stream, stacks[pstr], provider.rng_stream)
+    if m[1].has_lora:
+      # A user module's stacking is learnt in the sample forward, which creates the adapters:
+      # its layers then start from one A (B is zero, so the model starts as the base model).
+      for field, name, on in (("lora_init_rng", "params", True),
+                              ("lora_dropout_rng", "dropout", m[1].lora_dropout > 0)):
+        if on:
+          setattr(op, field, _op_stream(_stream(rngs, name), stacks[pstr] or (), name))
     setattr(node, attr, data(op))
     ops.append((node, op, m))
   needs_state = [op.path for _, op, m in ops if m[1].has_state]
@@ -458,7 +506,7 @@ def _check_state_stacked(node, op, m, stack):
     if v is None:
       continue
     shape = tuple(jnp.shape(_vget(v)))
-    per_layer_scalar = name != "act_shift"
+    per_layer_scalar = name in ("act_static_scale", "act_static_count", "act_scale")
     if shape[:len(stack)] != stack or (per_layer_scalar and shape != stack):
       raise ValueError(
           f"qtrain: rules[{m[0]}] keeps state {name!r} for nnx module {op.path!r} "
