@@ -1,4 +1,5 @@
-r"""A character-level GPT trained on any text file: float vs int8 / fp8 / int4 / BitNet b1.58.
+r"""A character-level GPT trained on any text file: float vs int8 / fp8 / int4 / BitNet b1.58,
+and a QLoRA fine-tune of the float model.
 
 One decoder for every run: byte embeddings, ``--layers`` pre-norm blocks (RMSNorm ->
 flax's causal ``MultiHeadDotProductAttention``, RMSNorm -> ``Dense(4 d) -> gelu -> Dense(d)``),
@@ -14,6 +15,11 @@ all of them, as usual in quantized training):
            absmax scale per token), straight-through gradients in float (the ``bitnet_b158``
            preset of :mod:`qtrain.binary`); the RMSNorm before every quantized projection is
            the paper's BitLinear input norm
+  qlora    QLoRA: the float run's trained model (trained first if not asked for) frozen with
+           int4 base weights (groups of 32, packed by ``qtrain.freeze``) and rank-8 adapters
+           (alpha 16, dropout 0.05) on the same projections, then ``--steps`` more steps on
+           the adapters alone (AdamW; only they have optimizer state). Its curve starts at the
+           frozen int4 model's held-out loss (step 0) and is drawn after the float run's steps
 
 Every run sees the same batches (random windows of ``--seq + 1`` bytes of the first 90% of the
 text) and is scored on the same held-out windows of the last 10%. AdamW with a linear warmup
@@ -42,6 +48,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,9 +61,9 @@ import optax  # noqa: E402
 
 import _plot  # noqa: E402
 import qtrain  # noqa: E402
-from qtrain import binary  # noqa: E402
+from qtrain import binary, freeze, lora  # noqa: E402
 
-RUNS = ("float", "int8", "fp8", "int4", "bitnet")
+RUNS = ("float", "int8", "fp8", "int4", "bitnet", "qlora")
 VOCAB = 256  # bytes
 ENV_VAR = "QTRAIN_TEXT"
 SHARED_TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
@@ -82,6 +89,9 @@ def rules(run: str) -> list[qtrain.QtRule] | None:
                           bwd_stochastic_rounding=_SR)]
   if run == "bitnet":
     return [dataclasses.replace(r, **_BLOCKS) for r in binary.bitnet_b158().to_rules()]
+  if run == "qlora":
+    return [qtrain.QtRule(**_BLOCKS, weight_qtype="int4", tile_size=32, lora_rank=8,
+                          lora_alpha=16.0, lora_dropout=0.05)]
   raise ValueError(f"unknown run {run!r}; valid: {list(RUNS)}")
 
 
@@ -148,21 +158,56 @@ def make_optimizer(lr: float, steps: int) -> optax.GradientTransformation:
                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1))
 
 
-def train_one(run: str, args, train: np.ndarray, held: np.ndarray) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """What one run trains: ``apply(p, tokens, rngs)`` and the initial trainable params."""
+  apply: Callable
+  params: Any
+  extra: dict
+
+
+def setup(run: str, args, example, base_params=None) -> Setup:
+  model = GPT(args.d_model, args.layers, args.heads)
+  if run != "qlora":
+    r = rules(run)
+    if r is not None:
+      model = qtrain.quantize_model(model, qtrain.QtProvider(r))
+    params = jax.jit(model.init)(jax.random.key(args.seed), example)["params"]
+    return Setup(lambda p, t, rngs: model.apply({"params": p}, t, rngs=rngs), params, {})
+  # QLoRA: fresh adapters beside the float run's weights, then the blocks' weights frozen as
+  # packed int4; only the adapters are trained (and have optimizer state).
+  provider = qtrain.QtProvider(rules(run))
+  qmodel = qtrain.quantize_model(model, provider)
+  fresh, _ = lora.split(jax.jit(qmodel.init)(jax.random.key(args.seed + 7), example)["params"])
+  frozen = freeze.freeze({"params": lora.combine(fresh, base_params)}, provider)
+  adapters, rest = lora.split(frozen["variables"]["params"])
+
+  def apply(ad, tokens, rngs):
+    v = {"params": lora.combine(ad, rest)}
+    return freeze.apply_frozen(model, {"layers": frozen["layers"], "variables": v}, tokens,
+                               rngs=rngs)
+  sizes = freeze.layer_sizes(frozen).values()
+  return Setup(apply, adapters, dict(
+      frozen_layers=len(frozen["layers"]),
+      frozen_bytes=int(sum(v["frozen_bytes"] for v in sizes)),
+      float32_bytes=int(sum(v["float32_bytes"] for v in sizes))))
+
+
+def train_one(run: str, args, train: np.ndarray, held: np.ndarray, base_params=None):
+  """Trains one run; returns (its summary, its final params)."""
   from tqdm import tqdm
 
-  model = GPT(args.d_model, args.layers, args.heads)
-  r = rules(run)
-  if r is not None:
-    model = qtrain.quantize_model(model, qtrain.QtProvider(r))
-  data_rng = np.random.default_rng(args.seed)
-  example = jnp.asarray(windows(train, data_rng, args.batch, args.seq)[:, :-1])
-  params = jax.jit(model.init)(jax.random.key(args.seed), example)["params"]
+  data_rng = np.random.default_rng(args.seed + (1 if run == "qlora" else 0))
+  example = jnp.asarray(windows(train, np.random.default_rng(args.seed), args.batch,
+                                args.seq)[:, :-1])
+  st = setup(run, args, example, base_params)
+  params = st.params
   tx = make_optimizer(args.lr, args.steps)
   opt_state = tx.init(params)
 
   def loss_fn(p, batch, key):
-    logits = model.apply({"params": p}, batch[:, :-1], rngs={qtrain.RNG_STREAM: key})
+    k_sr, k_drop = jax.random.split(key)
+    logits = st.apply(p, batch[:, :-1], {qtrain.RNG_STREAM: k_sr, "dropout": k_drop})
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
   @jax.jit
@@ -173,7 +218,7 @@ def train_one(run: str, args, train: np.ndarray, held: np.ndarray) -> dict:
 
   @jax.jit
   def eval_loss(p, batch):
-    logits = model.apply({"params": p}, batch[:, :-1], rngs={qtrain.RNG_STREAM: jax.random.key(0)})
+    logits = st.apply(p, batch[:, :-1], {qtrain.RNG_STREAM: jax.random.key(0)})
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
   eval_rng = np.random.default_rng(12345)  # the same held-out windows for every run
@@ -184,6 +229,8 @@ def train_one(run: str, args, train: np.ndarray, held: np.ndarray) -> dict:
 
   base_key = jax.random.key(args.seed + 1)
   losses, evals, times = [], [], []
+  if run == "qlora":  # the frozen int4 model before any fine-tuning
+    evals.append((0, held_out(params)))
   bar = tqdm(range(args.steps), desc=run, mininterval=2.0, disable=args.no_tqdm)
   for i in bar:
     batch = jnp.asarray(windows(train, data_rng, args.batch, args.seq))
@@ -200,11 +247,12 @@ def train_one(run: str, args, train: np.ndarray, held: np.ndarray) -> dict:
   n_params = int(sum(np.prod(v.shape) for v in jax.tree.leaves(params)))
   return dict(run=run, train_loss=losses, held_out=evals, final_held_out=evals[-1][1],
               s_per_step=float(np.median(times[1:])) if len(times) > 1 else times[0],
-              params=n_params)
+              params=n_params, trained_params=n_params, **st.extra), params
 
 
-def plot(results: dict, path: str) -> None:
-  curves = {f"{name} ({r['final_held_out']:.3f})": tuple(zip(*r["held_out"]))
+def plot(results: dict, path: str, offset: int = 0) -> None:
+  curves = {f"{name} ({r['final_held_out']:.3f})":
+            tuple(zip(*[(s + (offset if name == "qlora" else 0), v) for s, v in r["held_out"]]))
             for name, r in results.items()}
   _plot.save_curves(curves, path, xlabel="step", ylabel="held-out loss (nats per byte)",
                     title="character-level GPT: held-out loss")
@@ -246,16 +294,22 @@ def main(argv=None) -> dict:
   os.makedirs(args.out_dir, exist_ok=True)
   print(f"text {text}: {len(train):,} train / {len(held):,} held-out bytes; "
         f"d_model {args.d_model}, {args.layers} layers, {args.steps} steps", flush=True)
-  results = {}
+  if "qlora" in runs:  # it fine-tunes the float run's model: float trains first
+    if "float" not in runs:
+      print("qlora fine-tunes the float model: training the float run first", flush=True)
+    runs = ["float"] + [r for r in runs if r != "float"]
+  results, float_params = {}, None
   for run in runs:
-    results[run] = train_one(run, args, train, held)
+    results[run], params = train_one(run, args, train, held, float_params)
+    if run == "float":
+      float_params = params
     r = results[run]
     print(f"{run:7s} held-out loss {r['final_held_out']:.4f}  {1e3 * r['s_per_step']:.1f} ms/step",
           flush=True)
   summary = {"args": {**vars(args), "text": text}, "runs": results}
   with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
-  plot(results, os.path.join(args.out_dir, "loss.png"))
+  plot(results, os.path.join(args.out_dir, "loss.png"), offset=args.steps)
   base = results.get("float")
   print("\n| run | held-out loss | vs float | ms/step |\n|---|---|---|---|")
   for run, r in results.items():

@@ -256,6 +256,26 @@ def test_train_lm_smoke(tmp_path):
   _assert_png(out / "loss.png")
 
 
+@pytest.mark.slow
+def test_train_lm_qlora_fine_tunes_the_float_model(tmp_path):
+  lm = _load("train_lm")
+  text = _write_text(tmp_path / "tiny.txt")
+  out = tmp_path / "lm"
+  summary = lm.main(["--text", text, "--runs", "qlora", "--steps", "12", "--d-model", "32",
+                     "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "8",
+                     "--eval-every", "6", "--eval-batches", "2", "--out-dir", str(out), "--no-tqdm"])
+  runs = summary["runs"]
+  assert list(runs) == ["float", "qlora"]  # the float model is trained first, then fine-tuned
+  q = runs["qlora"]
+  assert [s for s, _ in q["held_out"]] == [0, 6, 12]
+  # Rank-8 adapters on q, k, v, out (32 -> 32 each), mlp_up (32 -> 128), mlp_down (128 -> 32).
+  assert q["trained_params"] == 4 * (32 * 8 + 8 * 32) + (32 * 8 + 8 * 128) + (128 * 8 + 8 * 32)
+  assert q["frozen_layers"] == 6 and q["frozen_bytes"] < q["float32_bytes"] / 4
+  assert q["train_loss"][-1] < q["train_loss"][0]
+  assert all(math.isfinite(x) for x in _finite_numbers(runs))
+  _assert_png(out / "loss.png")
+
+
 def test_train_lm_bitnet_rules_are_the_preset_on_the_blocks():
   lm = _load("train_lm")
   (rule,) = lm.rules("bitnet")
@@ -264,6 +284,8 @@ def test_train_lm_bitnet_rules_are_the_preset_on_the_blocks():
   assert lm.rules("float") is None
   assert {r.weight_qtype for run in ("int8", "fp8", "int4") for r in lm.rules(run)} == {
       "int8", "float8_e4m3fn", "int4"}
+  (q,) = lm.rules("qlora")
+  assert (q.weight_qtype, q.tile_size, q.lora_rank, q.lora_scale) == ("int4", 32, 8, 2.0)
 
 
 @pytest.mark.parametrize("argv, match", [
