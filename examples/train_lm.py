@@ -197,9 +197,9 @@ def train_one(run: str, args, train: np.ndarray, held: np.ndarray, base_params=N
   """Trains one run; returns (its summary, its final params)."""
   from tqdm import tqdm
 
+  # The fine-tune sees other windows than the float run it starts from.
   data_rng = np.random.default_rng(args.seed + (1 if run == "qlora" else 0))
-  example = jnp.asarray(windows(train, np.random.default_rng(args.seed), args.batch,
-                                args.seq)[:, :-1])
+  example = jnp.asarray(windows(train, data_rng, args.batch, args.seq)[:, :-1])
   st = setup(run, args, example, base_params)
   params = st.params
   tx = make_optimizer(args.lr, args.steps)
