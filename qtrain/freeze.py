@@ -521,23 +521,7 @@ def _nnx_hooks(model, cls):
   return out
 
 
-def _vget(v):
-  return v.get_value() if hasattr(v, "get_value") else v.value
-
-
-def _fold_nnx(node, op, rec, where):
-  _, dn, shapes, _ = rec.contraction
-  lay = lora_ops.layout(shapes[1], dn, weight_operand=1)
-  params = {k: v for k, v in vars(node).items()
-            if isinstance(v, nnx.Param) and not isinstance(v, nnx.LoRAParam)}
-  name = _weight_param({k: _vget(v) for k, v in params.items()}, lay.w_shape, where)
-  rule = op.provider.rules[rec.rule_index]
-  folded = lora_ops.fold(_vget(params[name]), _vget(op.lora_a), _vget(op.lora_b), lay,
-                         scale=rule.lora_scale)
-  if hasattr(params[name], "set_value"):
-    params[name].set_value(folded)
-  else:  # pragma: no cover
-    params[name].value = folded
+_vget = model_lib.variable_get
 
 
 def _freeze_nnx(model, provider=None):
@@ -562,7 +546,7 @@ def _freeze_nnx(model, provider=None):
                        "once (or pass sample inputs to quantize_model) before freezing")
     if rec.status != provider_lib.QUANTIZED:  # left in float by the QT model: float here too
       if getattr(op, lora_ops.A_NAME, None) is not None:  # its adapter folds into its weight
-        _fold_nnx(node, op, rec, where)
+        lora_lib.fold_nnx_op(node, op, where)
       setattr(node, attr, _static(op.original))
       continue
     _check_unmasked(node, where)

@@ -123,7 +123,7 @@ def _weight_name(module_params: Mapping, shape, where: str) -> str:
     return "kernel"
   if len(own) == 1:
     return own[0]
-  raise ValueError(f"lora.merge: module {where!r}: {'no parameter' if not own else own} of the "
+  raise ValueError(f"LoRA: module {where!r}: {'no parameter' if not own else own} of the "
                    f"weight's shape {tuple(shape)}; an adapter folds into a parameter the op "
                    "takes as its weight (name it 'kernel' where several match)")
 
@@ -169,15 +169,22 @@ def merge_params(params: Mapping, provider: provider_lib.QtProvider, *,
   return traverse_util.unflatten_dict(flat)
 
 
-def _vget(v):
-  return v.get_value() if hasattr(v, "get_value") else v.value
+def fold_nnx_op(node, op, where: str) -> None:
+  """Folds the adapter of ``op`` (a QtOp of nnx module ``node``) into the module's weight."""
+  rec = [r for r in op.provider.records() if r.path == op.path and r.contraction]
+  if len(rec) != 1:
+    raise ValueError(f"the op of nnx module {where!r} has not run: call the model once first")
+  _, dn, shapes, _ = rec[0].contraction
+  lay = lora_ops.layout(shapes[1], dn, weight_operand=1)
+  params = {k: v for k, v in vars(node).items()
+            if isinstance(v, nnx.Param) and not isinstance(v, nnx.LoRAParam)}
+  name = _weight_name({k: _vget(v) for k, v in params.items()}, lay.w_shape, where)
+  rule = op.provider.rules[rec[0].rule_index]
+  a, b = _vget(getattr(op, lora_ops.A_NAME)), _vget(getattr(op, lora_ops.B_NAME))
+  _vset(params[name], lora_ops.fold(_vget(params[name]), a, b, lay, scale=rule.lora_scale))
 
 
-def _vset(v, x):
-  if hasattr(v, "set_value"):
-    v.set_value(x)
-  else:  # pragma: no cover
-    v.value = x
+_vget, _vset = model_lib.variable_get, model_lib.variable_set
 
 
 def _merge_nnx(model):
@@ -193,17 +200,7 @@ def _merge_nnx(model):
       original = op.original
       if getattr(op, lora_ops.A_NAME, None) is not None:
         found = True
-        a, b = _vget(getattr(op, lora_ops.A_NAME)), _vget(getattr(op, lora_ops.B_NAME))
-        rec = [r for r in op.provider.records() if r.path == op.path and r.contraction]
-        if len(rec) != 1:
-          raise ValueError(f"lora.merge: the op of nnx module {op.path!r} has not run: call the "
-                           "model once first")
-        _, dn, shapes, _ = rec[0].contraction
-        lay = lora_ops.layout(shapes[1], dn, weight_operand=1)
-        params = {k: v for k, v in vars(node).items() if isinstance(v, nnx.Param)}
-        name = _weight_name({k: _vget(v) for k, v in params.items()}, lay.w_shape, op.path)
-        rule = op.provider.rules[rec[0].rule_index]
-        _vset(params[name], lora_ops.fold(_vget(params[name]), a, b, lay, scale=rule.lora_scale))
+        fold_nnx_op(node, op, op.path)
       setattr(node, attr, getattr(nnx, "static", lambda v: v)(original))
   if not found:
     raise ValueError("lora.merge: this nnx model has no LoRA adapter (quantize it with a rule "

@@ -124,15 +124,20 @@ class LoraB(nnx.LoRAParam):
 _STATE_TYPES = {"act_scale": ActScale, "act_shift": ActShift, "lora_a": LoraA, "lora_b": LoraB}
 
 
-def _vget(v):
+def variable_get(v):
+  """An nnx Variable's value (flax versions with and without ``get_value``)."""
   return v.get_value() if hasattr(v, "get_value") else v.value
 
 
-def _vset(v, x):
+def variable_set(v, x) -> None:
+  """Sets an nnx Variable's value (flax versions with and without ``set_value``)."""
   if hasattr(v, "set_value"):
     v.set_value(x)
   else:  # pragma: no cover
     v.value = x
+
+
+_vget, _vset = variable_get, variable_set
 
 
 class _NnxHost:
