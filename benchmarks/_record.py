@@ -429,6 +429,15 @@ def _lm_shape(rows: list[dict]) -> str:
           f"({tokens} tokens per step), attention {vals('attention')}")
 
 
+def _sections(latest: dict, config_order: tuple[str, ...]) -> list[tuple[tuple, list[tuple]]]:
+  """Cases ``(width, other, config)`` grouped by ``(width, other)``, widest first, configs in
+  ``config_order`` (unknown ones last, by name)."""
+  order = {name: i for i, name in enumerate(config_order)}
+  return [(head, sorted((c for c in latest if c[:2] == head),
+                        key=lambda c: (order.get(c[2], len(order)), c[2])))
+          for head in sorted({c[:2] for c in latest}, key=lambda s: (-s[0], s[1]))]
+
+
 def render_lm_step(recs: list[dict]) -> str:
   """The language-model table: one row per (d_model, seq, config), from its latest run; the
   loss from the latest run that measured one (the accuracy mode)."""
@@ -449,10 +458,7 @@ def render_lm_step(recs: list[dict]) -> str:
            "accuracy-mode run (linked where that is not the row's run). The run's command is in "
            "the list under the table.", ""]
   used = {}
-  order = {name: i for i, name in enumerate(_LM_ORDER)}
-  for d, seq in sorted({c[:2] for c in latest}, key=lambda s: (-s[0], s[1])):
-    cases = sorted((c for c in latest if c[:2] == (d, seq)),
-                   key=lambda c: (order.get(c[2], len(order)), c[2]))
+  for (d, seq), cases in _sections(latest, _LM_ORDER):
     lines += [f"### d_model = {d}, seq {seq}: {_lm_shape([latest[c][0] for c in cases])}", "",
               "| config | ms/step | tokens/s | vs bf16 | peak GiB | vs bf16 | compile s | vs bf16 | "
               "loss | run | date | device | jax |",
@@ -538,10 +544,7 @@ def render_lora_step(recs: list[dict]) -> str:
            "`memory_analysis()` (arguments + outputs - donated + temporaries); *loss*: the "
            "training loss after the timed steps.", ""]
   used = {}
-  order = {name: i for i, name in enumerate(_LORA_ORDER)}
-  for d, rank in sorted({c[:2] for c in latest}, key=lambda s: (-s[0], s[1])):
-    cases = sorted((c for c in latest if c[:2] == (d, rank)),
-                   key=lambda c: (order.get(c[2], len(order)), c[2]))
+  for (d, rank), cases in _sections(latest, _LORA_ORDER):
     r0 = latest[cases[0]][0]
     lines += [f"### d_model = {d}, rank {rank}: layers {r0['layers']}, seq {r0['seq']} x batch "
               f"{r0['batch']}, attention {r0['attention']}", "",

@@ -564,9 +564,9 @@ def _fmt(v, spec: str) -> str:
   return "" if v is None else format(v, spec)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--widths", default="1024,2048", help="d_model values (comma-separated)")
+def add_model_arguments(ap: argparse.ArgumentParser, *, widths: str) -> None:
+  """The decoder, batch, timing, text and learning-rate options (lm_step.py, lora_step.py)."""
+  ap.add_argument("--widths", default=widths, help="d_model values (comma-separated)")
   ap.add_argument("--layers", default="auto",
                   help="decoder blocks: 'auto' (8 / 4 / 2 at d_model 1024 / 2048 / 4096), N, or "
                        "one per width")
@@ -579,13 +579,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
                        "flax elsewhere")
   ap.add_argument("--steps", type=int, default=10, help="timed steps inside one jit")
   ap.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
-  ap.add_argument("--configs", default=",".join(CONFIGS),
-                  help="comma-separated; " + "; ".join(f"{k}: {v}" for k, v in CONFIGS.items()))
   ap.add_argument("--text", default=None,
                   help="a text file (bytes are the tokens), or 'generated'; default: "
                        "../shared/data/text/fortunes.txt beside the repository, or "
                        "shared/data/text/fortunes.txt or .data/fortunes.txt inside it")
   ap.add_argument("--lr", type=float, default=1e-3, help="AdamW's peak learning rate")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  add_model_arguments(ap, widths="1024,2048")
+  ap.add_argument("--configs", default=",".join(CONFIGS),
+                  help="comma-separated; " + "; ".join(f"{k}: {v}" for k, v in CONFIGS.items()))
   ap.add_argument("--loss-steps", type=int, default=200,
                   help="the accuracy mode's training steps (also the schedule's length in "
                        "the timed runs)")

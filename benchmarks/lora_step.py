@@ -32,7 +32,7 @@ On the GPU machine:
 On a CPU (tiny sizes; never into RESULTS.md):
 
   python3 benchmarks/lora_step.py --widths 64 --layers 1 --seq 64 --batch 2 --steps 2 \\
-      --repeats 1
+      --repeats 1 --configs lora_bf16,qlora_int8,qlora_int4,full_bf16   # the Triton one needs a GPU
 """
 
 from __future__ import annotations
@@ -162,19 +162,10 @@ def measure(name, shape, rank, optim, text, base_params, steps, repeats) -> dict
 
 def main(argv=None) -> list[dict]:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--widths", default="2048", help="d_model values (comma-separated)")
-  ap.add_argument("--layers", default="auto", help="as lm_step.py")
-  ap.add_argument("--head-dim", type=int, default=128)
-  ap.add_argument("--seq", type=int, default=2048)
-  ap.add_argument("--batch", type=int, default=8)
+  lm_step.add_model_arguments(ap, widths="2048")
   ap.add_argument("--rank", type=int, default=16, help="adapter rank (alpha = 2 x rank)")
-  ap.add_argument("--attention", default="auto", choices=lm_step.ATTENTIONS)
-  ap.add_argument("--steps", type=int, default=10)
-  ap.add_argument("--repeats", type=int, default=3)
-  ap.add_argument("--lr", type=float, default=1e-3)
   ap.add_argument("--configs", default=",".join(CONFIGS),
                   help="comma-separated; " + "; ".join(f"{k}: {v}" for k, v in CONFIGS.items()))
-  ap.add_argument("--text", default=None, help="as lm_step.py")
   _record.add_arguments(ap)
   args = ap.parse_args(argv)
   names = [c for c in args.configs.split(",") if c]

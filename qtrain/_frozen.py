@@ -613,29 +613,24 @@ def conv_product(layer: FrozenLayer, a_val, p, out_dtype, implementation: str, w
 # Gradients: a frozen product is differentiable with respect to its input.
 
 
-@dataclasses.dataclass(frozen=True)
-class _Product:
-  """A frozen product ``fn(layer, x)`` and its float reference ``ref(x, w)`` (static)."""
-  fn: Any
-  ref: Any
-
-
 def _zero_cotangent(x):
   if jnp.issubdtype(x.dtype, jnp.floating):
     return jnp.zeros_like(x)
   return np.zeros(x.shape, jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _with_input_grad(product: _Product, layer: FrozenLayer, x):
-  return product.fn(layer, x)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _with_input_grad(fn, ref, layer: FrozenLayer, x):
+  """``fn(layer, x)``, a frozen product, with the gradient of ``ref(x, w)``, its float
+  counterpart on the dequantized weight ``w``."""
+  return fn(layer, x)
 
 
-def _with_input_grad_fwd(product, layer, x):
-  return product.fn(layer, x), (layer, x)
+def _with_input_grad_fwd(fn, ref, layer, x):
+  return fn(layer, x), (layer, x)
 
 
-def _with_input_grad_bwd(product, res, g):
+def _with_input_grad_bwd(fn, ref, res, g):
   # The gradient of the float product with the dequantized weight: the input's quantization
   # (if the layer has one) passes it straight through, the frozen weight gets none.
   # The barrier ties the weight's dequantization to the incoming gradient: XLA can neither
@@ -644,7 +639,7 @@ def _with_input_grad_bwd(product, res, g):
   layer, x = res
   g, bar = jax.lax.optimization_barrier((g, layer))
   w = bar.kernel_qarray().dequantize(x.dtype)
-  _, vjp = jax.vjp(lambda a: product.ref(a, w), x)
+  _, vjp = jax.vjp(lambda a: ref(a, w), x)
   (dx,) = vjp(g.astype(x.dtype))
   return jax.tree.map(_zero_cotangent, layer), dx.astype(x.dtype)
 
@@ -708,10 +703,10 @@ def dot_general(layer: FrozenLayer, lhs, rhs, dimension_numbers, *, preferred_el
   _check_float(act, where)
   out_dtype = _out_dtype(preferred_element_type, jnp.result_type(act),
                          layer.weight_dtype if w is None else jnp.result_type(w))
-  ref = functools.partial(_ref_dot, dn=dn, w_idx=w_idx)
-  out = _with_input_grad(_Product(functools.partial(
-      _dot_forward, dn=dn, out_dtype=out_dtype, implementation=implementation, where=where), ref),
-      layer, act)
+  out = _with_input_grad(
+      functools.partial(_dot_forward, dn=dn, out_dtype=out_dtype, implementation=implementation,
+                        where=where),
+      functools.partial(_ref_dot, dn=dn, w_idx=w_idx), layer, act)
   if adapter is None:
     return out
   return out + _adapter_delta(layer, adapter, act, dn, where, out.dtype)
@@ -730,7 +725,7 @@ def _adapter_delta(layer: FrozenLayer, adapter, act, dn, where, dtype):
   lora_ops.check_shapes(a, b, lay, f"frozen layer {where!r}")
   meta = layer.lora_dict
   return lora_ops.delta(act, a, b, lay, scale=meta["scale"], dropout=meta["dropout"], key=key,
-                        dtype=dtype).astype(dtype)
+                        dtype=dtype)
 
 
 def _dot_forward(layer: FrozenLayer, act, *, dn, out_dtype, implementation, where):
@@ -785,22 +780,19 @@ def conv_general_dilated(layer: FrozenLayer, lhs, rhs, window_strides, padding, 
                            f"for {layer.layout}")
   out_dtype = _out_dtype(preferred_element_type, jnp.result_type(lhs),
                          layer.weight_dtype if rhs is None else jnp.result_type(rhs))
-  pk = tuple(sorted((k, v) for k, v in p.items()))
-  return _with_input_grad(_Product(
-      functools.partial(_conv_forward, p=pk, out_dtype=out_dtype, implementation=implementation,
+  return _with_input_grad(
+      functools.partial(_conv_forward, p=p, out_dtype=out_dtype, implementation=implementation,
                         where=where),
-      functools.partial(_ref_conv, p=pk)), layer, lhs)
+      functools.partial(_ref_conv, p=p), layer, lhs)
 
 
 def _ref_conv(x, w, *, p):
-  p = dict(p)
   return jax.lax.conv_general_dilated(
       x, w, p["window_strides"], p["padding"], p["lhs_dilation"], p["rhs_dilation"], p["dn"],
       p["feature_group_count"], p["batch_group_count"])
 
 
 def _conv_forward(layer: FrozenLayer, lhs, *, p, out_dtype, implementation, where):
-  p = dict(p)
   lhs, layer = jax.lax.optimization_barrier((lhs, layer))
   lhs_spec = p["dn"].lhs_spec
   a_val = quantize_act(layer, lhs, contract=(lhs_spec[1],),

@@ -122,8 +122,10 @@ from qtrain import lora as lora_lib
 from qtrain import provider as provider_lib
 from qtrain._frozen import FrozenLayer
 from qtrain.binary import LayerQuant
+from qtrain.flax import hosts
 from qtrain.flax import intercept as _intercept
 from qtrain.flax import model as model_lib
+from qtrain.flax.model import variable_get
 from qtrain.ops import lora as lora_ops
 from qtrain.qlayers import QConv, QDense
 from qtrain.rules import QtRule
@@ -251,30 +253,6 @@ def _freeze_layers(variables, rules) -> dict:
 # Freezing ops from the provider's records (linen and nnx).
 
 
-def _weight_param(module_params: Mapping, shape, where: str) -> str:
-  """The name of the module's parameter that is the op's weight operand (by shape)."""
-  shape = tuple(shape)
-  own = {k: v for k, v in module_params.items()
-         if not isinstance(v, Mapping) and
-         not k.endswith(("_act_scale", "_act_shift", "_lora_a", "_lora_b"))}
-  hits = [k for k, v in own.items() if tuple(np.shape(v)) == shape]
-  if "kernel" in hits:
-    return "kernel"
-  if len(hits) == 1:
-    return hits[0]
-  if not hits:
-    stacked = [k for k, v in own.items() if tuple(np.shape(v))[1:] == shape]
-    if stacked:
-      raise ValueError(f"freeze: layer {where!r}: parameter {stacked[0]!r} has shape "
-                       f"{tuple(np.shape(own[stacked[0]]))}, the op's weight {shape}: layers "
-                       "stacked by nn.scan / nn.vmap / nnx.scan / nnx.vmap cannot be frozen")
-    raise ValueError(f"freeze: layer {where!r}: no parameter of the module has the weight's shape "
-                     f"{shape} (parameters: { {k: tuple(np.shape(v)) for k, v in own.items()} }); "
-                     "an op whose weight is computed from parameters cannot be frozen")
-  raise ValueError(f"freeze: layer {where!r}: parameters {hits} all have the weight's shape "
-                   f"{shape}; name the weight 'kernel' to freeze this op")
-
-
 def _from_record(rec, provider, module_params: Mapping, state: Mapping, where: str) -> FrozenLayer:
   """The FrozenLayer of one op the provider recorded as quantized."""
   if rec.contraction is None:
@@ -287,7 +265,7 @@ def _from_record(rec, provider, module_params: Mapping, state: Mapping, where: s
   else:
     _, dn, shapes, dtypes = rec.contraction
   w_idx = {"lhs": 0, "rhs": 1}[rec.weight_operand]
-  name = _weight_param(module_params, shapes[w_idx], where)
+  name = hosts.weight_param_name(module_params, shapes[w_idx], what="freeze", where=where)
   raw = flax_meta.unbox(module_params[name])
   scale_kind, scale_a, bias_a = None, None, None
 
@@ -521,9 +499,6 @@ def _nnx_hooks(model, cls):
   return out
 
 
-_vget = model_lib.variable_get
-
-
 def _freeze_nnx(model, provider=None):
 
   frozen = nnx.clone(model)
@@ -550,9 +525,9 @@ def _freeze_nnx(model, provider=None):
       setattr(node, attr, _static(op.original))
       continue
     _check_unmasked(node, where)
-    params = {k: _vget(v) for k, v in vars(node).items()
+    params = {k: variable_get(v) for k, v in vars(node).items()
               if isinstance(v, nnx.Param) and not isinstance(v, nnx.LoRAParam)}
-    state = {n: _vget(getattr(op, n)) for n in _STATE_NAMES if getattr(op, n, None) is not None}
+    state = {n: variable_get(getattr(op, n)) for n in _STATE_NAMES if getattr(op, n, None) is not None}
     layer = _from_record(rec, op.provider, params, state, where)
     adapter = None
     if layer.lora is not None:
@@ -969,7 +944,7 @@ def _load_nnx(model, ops_meta, state):
     if layer.lora is not None:  # stand-ins of the saved shapes; the state restore fills them
       adapter = (model_lib.LoraA(jnp.zeros(np.shape(saved[lora_ops.A_NAME]), jnp.float32)),
                  model_lib.LoraB(jnp.zeros(np.shape(saved[lora_ops.B_NAME]), jnp.float32)),
-                 nnx.RngStream(jax.random.key(0), tag="dropout")
+                 nnx.RngStream(jax.random.key(0), tag=provider_lib.DROPOUT_STREAM)
                  if "lora_dropout_rng" in saved else None)
     setattr(node, m["attr"], _data(FrozenOp(layer, path=m["path"], op_name=m["op_name"],
                                             adapter=adapter)))

@@ -67,7 +67,9 @@ from flax import traverse_util
 from flax.core import meta as flax_meta
 
 from qtrain import provider as provider_lib
+from qtrain.flax import hosts
 from qtrain.flax import model as model_lib
+from qtrain.flax.model import variable_get, variable_set
 from qtrain.ops import lora as lora_ops
 
 __all__ = ["is_adapter", "adapter_mask", "split", "combine", "merge", "merge_params", "num_params"]
@@ -115,19 +117,6 @@ def num_params(params) -> tuple[int, int]:
   return n([k for k in flat if is_adapter(k[-1])]), n([k for k in flat if not is_adapter(k[-1])])
 
 
-def _weight_name(module_params: Mapping, shape, where: str) -> str:
-  own = [k for k, v in module_params.items()
-         if not isinstance(v, Mapping) and not is_adapter(k) and
-         not k.endswith(("_act_scale", "_act_shift")) and tuple(np.shape(v)) == tuple(shape)]
-  if "kernel" in own:
-    return "kernel"
-  if len(own) == 1:
-    return own[0]
-  raise ValueError(f"LoRA: module {where!r}: {'no parameter' if not own else own} of the "
-                   f"weight's shape {tuple(shape)}; an adapter folds into a parameter the op "
-                   "takes as its weight (name it 'kernel' where several match)")
-
-
 def _layouts(provider: provider_lib.QtProvider):
   """(path, op id, rule, Layout) of every op the provider gave an adapter."""
   out = []
@@ -157,7 +146,7 @@ def merge_params(params: Mapping, provider: provider_lib.QtProvider, *,
       raise ValueError(f"lora.merge: the params hold no adapter for {op_id} of module "
                        f"{path or '<root>'!r}: pass the params of the model the provider ran with")
     module = {k[-1]: v for k, v in flat.items() if k[:-1] == pre}
-    wname = _weight_name(module, lay.w_shape, path or "<root>")
+    wname = hosts.weight_param_name(module, lay.w_shape, what="lora.merge", where=path or "<root>")
     w = flat[pre + (wname,)]
     a, b = (flax_meta.unbox(flat.pop(k)) for k in names)
     lora_ops.check_shapes(a, b, lay, f"module {path or '<root>'!r}")
@@ -178,13 +167,12 @@ def fold_nnx_op(node, op, where: str) -> None:
   lay = lora_ops.layout(shapes[1], dn, weight_operand=1)
   params = {k: v for k, v in vars(node).items()
             if isinstance(v, nnx.Param) and not isinstance(v, nnx.LoRAParam)}
-  name = _weight_name({k: _vget(v) for k, v in params.items()}, lay.w_shape, where)
+  name = hosts.weight_param_name({k: variable_get(v) for k, v in params.items()}, lay.w_shape,
+                                 what="LoRA fold", where=where)
   rule = op.provider.rules[rec[0].rule_index]
-  a, b = _vget(getattr(op, lora_ops.A_NAME)), _vget(getattr(op, lora_ops.B_NAME))
-  _vset(params[name], lora_ops.fold(_vget(params[name]), a, b, lay, scale=rule.lora_scale))
-
-
-_vget, _vset = model_lib.variable_get, model_lib.variable_set
+  a, b = variable_get(getattr(op, lora_ops.A_NAME)), variable_get(getattr(op, lora_ops.B_NAME))
+  variable_set(params[name], lora_ops.fold(variable_get(params[name]), a, b, lay,
+                                           scale=rule.lora_scale))
 
 
 def _merge_nnx(model):

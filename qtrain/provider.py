@@ -295,8 +295,6 @@ class QtProvider:
   def _rec(self, path, op_id, op_name, m, status, w_idx, shapes, contraction=None):
     rule = m[1] if m else None
     quant = status == QUANTIZED
-    if status == QUANTIZED and rule is not None and not rule.quantizes:
-      status = FLOAT_LORA
     self.record(OpRecord(
         path=path, op_id=op_id, op_name=op_name, rule_index=m[0] if m else None, status=status,
         weight_operand=None if (w_idx is None or w_idx < 0) else ("lhs", "rhs")[w_idx],
@@ -417,7 +415,7 @@ class QtProvider:
             "quantized ops do not take out_sharding (shard the inputs instead)")
       dn = qdot.normalize_dimension_numbers(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
       if not rule.quantizes:  # an adapter on the float op
-        self._rec(path, op_id, op_name, m, QUANTIZED, weight_operand, shapes,
+        self._rec(path, op_id, op_name, m, FLOAT_LORA, weight_operand, shapes,
                   ("dot_general", dn, *_shapes_dtypes((lhs, rhs))))
         out = float_call()
         return out + self._lora(host, rule, path, (lhs, rhs)[1 - weight_operand],
@@ -461,7 +459,7 @@ class QtProvider:
     lora_lib.check_shapes(a, b, lay, what)
     key = host.dropout_key() if rule.lora_dropout > 0 else None
     return lora_lib.delta(x, a, b, lay, scale=rule.lora_scale, dropout=rule.lora_dropout, key=key,
-                          dtype=out.dtype).astype(out.dtype)
+                          dtype=out.dtype)
 
   def einsum(self, host: Host, path: str, op_id: str, subscripts, operands, kwargs, *,
              weight_operand: int | None, fallback: Callable):

@@ -235,14 +235,19 @@ def _write_text(path, n: int = 6000) -> str:
   return str(path)
 
 
+def _tiny_lm_args(text: str, runs: str, out) -> list[str]:
+  """train_lm's arguments for a 12-step run of a one-block model, evaluated at steps 6 and 12."""
+  return ["--text", text, "--runs", runs, "--steps", "12", "--d-model", "32", "--layers", "1",
+          "--heads", "2", "--seq", "16", "--batch", "8", "--eval-every", "6", "--eval-batches",
+          "2", "--out-dir", str(out), "--no-tqdm"]
+
+
 @pytest.mark.slow
 def test_train_lm_smoke(tmp_path):
   lm = _load("train_lm")
   text = _write_text(tmp_path / "tiny.txt")
   out = tmp_path / "lm"
-  summary = lm.main(["--text", text, "--runs", "float,bitnet", "--steps", "12", "--d-model", "32",
-                     "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "8",
-                     "--eval-every", "6", "--eval-batches", "2", "--out-dir", str(out), "--no-tqdm"])
+  summary = lm.main(_tiny_lm_args(text, "float,bitnet", out))
   with open(out / "summary.json") as f:
     on_disk = json.load(f)
   assert on_disk["runs"].keys() == summary["runs"].keys() == {"float", "bitnet"}
@@ -261,9 +266,7 @@ def test_train_lm_qlora_fine_tunes_the_float_model(tmp_path):
   lm = _load("train_lm")
   text = _write_text(tmp_path / "tiny.txt")
   out = tmp_path / "lm"
-  summary = lm.main(["--text", text, "--runs", "qlora", "--steps", "12", "--d-model", "32",
-                     "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "8",
-                     "--eval-every", "6", "--eval-batches", "2", "--out-dir", str(out), "--no-tqdm"])
+  summary = lm.main(_tiny_lm_args(text, "qlora", out))
   runs = summary["runs"]
   assert list(runs) == ["float", "qlora"]  # the float model is trained first, then fine-tuned
   q = runs["qlora"]

@@ -9,10 +9,15 @@ intercepted; :func:`linen_weight_operand` says which operand is the weight.
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import jax
+import numpy as np
 import flax.linen as nn
 from flax import errors as flax_errors
 from flax.core import meta
+
+from qtrain.provider import DROPOUT_STREAM
 
 
 # linen layers whose weight operand is known by their calling convention.
@@ -37,6 +42,38 @@ def linen_weight_operand(module, op_name: str, operands) -> int | None:
   if len(hits) == 1:
     return hits[0]
   return None
+
+
+# The op state a provider keeps beside a module's own parameters (``<op id>_<name>``).
+OP_PARAM_SUFFIXES = ("_act_scale", "_act_shift", "_lora_a", "_lora_b")
+
+
+def weight_param_name(module_params: Mapping, shape, *, what: str, where: str) -> str:
+  """The name of the module's parameter that an op took as its weight operand, by shape.
+
+  ``kernel`` where several parameters have the shape; the ops' own state
+  (learned scales and shifts, adapters) never counts. ``what`` starts the
+  error (``"freeze"``, ``"lora.merge"``), which names ``where``.
+  """
+  shape = tuple(shape)
+  own = {k: v for k, v in module_params.items()
+         if not isinstance(v, Mapping) and not k.endswith(OP_PARAM_SUFFIXES)}
+  hits = [k for k, v in own.items() if tuple(np.shape(v)) == shape]
+  if "kernel" in hits:
+    return "kernel"
+  if len(hits) == 1:
+    return hits[0]
+  if not hits:
+    stacked = [k for k, v in own.items() if tuple(np.shape(v))[1:] == shape]
+    if stacked:
+      raise ValueError(f"{what}: layer {where!r}: parameter {stacked[0]!r} has shape "
+                       f"{tuple(np.shape(own[stacked[0]]))}, the op's weight {shape}: {what} "
+                       "does not take layers stacked by nn.scan / nn.vmap / nnx.scan / nnx.vmap")
+    raise ValueError(f"{what}: layer {where!r}: no parameter of the module has the weight's shape "
+                     f"{shape} (parameters: { {k: tuple(np.shape(v)) for k, v in own.items()} }); "
+                     f"an op whose weight is computed from parameters is not supported by {what}")
+  raise ValueError(f"{what}: layer {where!r}: parameters {hits} all have the weight's shape "
+                   f"{shape}; name the weight 'kernel' for {what}")
 
 
 _NO_QUANT_STATS = (
@@ -82,9 +119,9 @@ class LinenHost:
     return self.module.make_rng("params")
 
   def dropout_key(self):
-    if not self.module.scope.has_rng("dropout"):
+    if not self.module.scope.has_rng(DROPOUT_STREAM):
       return None  # evaluation: no dropout
-    return self.module.make_rng("dropout")
+    return self.module.make_rng(DROPOUT_STREAM)
 
   def missing_rng_message(self, stream, what):
     return (f"qtrain: {what} needs keys from the Flax RNG stream {stream!r} for its gradient, "

@@ -137,8 +137,6 @@ def variable_set(v, x) -> None:
     v.value = x
 
 
-_vget, _vset = variable_get, variable_set
-
 
 class _NnxHost:
 
@@ -157,7 +155,7 @@ class _NnxHost:
             "inputs to qtrain.quantize_model(model, provider, *sample_args)")
       v = cls(init_fn())
       setattr(self.op, name, v)
-    return _vget(v)
+    return variable_get(v)
 
   def param(self, name, init_fn):
     return self._get_or_create(name, init_fn, _STATE_TYPES[name])
@@ -166,7 +164,7 @@ class _NnxHost:
     return self._get_or_create(name, init_fn, QuantStat)
 
   def set_stat(self, name, value):
-    _vset(getattr(self.op, name), value)
+    variable_set(getattr(self.op, name), value)
 
   def rng_key(self, stream, what):
     rng = getattr(self.op, "rng", None)
@@ -287,7 +285,7 @@ def _declared_stack_shape(node) -> tuple[int, ...] | None:
   kernel = vars(node).get("kernel")
   if decl is None or not isinstance(kernel, nnx.Variable):
     return None
-  shape = tuple(jnp.shape(_vget(kernel)))
+  shape = tuple(jnp.shape(variable_get(kernel)))
   n = len(shape) - len(decl)
   if n < 0 or shape[n:] != tuple(decl):
     return None
@@ -301,7 +299,7 @@ def _observed_stack_shape(node, weight_shape) -> tuple[int, ...] | None:
   runs the stack: a parameter of exactly that shape means no stacking; otherwise the leading
   axes of the one parameter that ends with that shape. None when that is ambiguous.
   """
-  shapes = [tuple(jnp.shape(_vget(v))) for v in vars(node).values() if isinstance(v, nnx.Param)]
+  shapes = [tuple(jnp.shape(variable_get(v))) for v in vars(node).values() if isinstance(v, nnx.Param)]
   weight_shape = tuple(weight_shape)
   if weight_shape in shapes:
     return ()
@@ -404,7 +402,8 @@ def _quantize_nnx(model, provider, sample_args, sample_kwargs, rngs):
                             provider_lib.FLOAT_NO_RULE if m is None else provider_lib.FLOAT_RULE)
       continue
     for name, field, why in (("params", "lora_rank", "initialises its LoRA adapters"),
-                             ("dropout", "lora_dropout", "draws LoRA dropout keys")):
+                             (provider_lib.DROPOUT_STREAM, "lora_dropout",
+                              "draws LoRA dropout keys")):
       if getattr(m[1], field) and _stream(rngs, name) is None:
         raise ValueError(
             f"qtrain: rules[{m[0]}] ({field}={getattr(m[1], field)!r}) matches {pstr!r} and {why} "
@@ -446,7 +445,8 @@ def _quantize_nnx(model, provider, sample_args, sample_kwargs, rngs):
       # A user module's stacking is learnt in the sample forward, which creates the adapters:
       # its layers then start from one A (B is zero, so the model starts as the base model).
       for field, name, on in (("lora_init_rng", "params", True),
-                              ("lora_dropout_rng", "dropout", m[1].lora_dropout > 0)):
+                              ("lora_dropout_rng", provider_lib.DROPOUT_STREAM,
+                               m[1].lora_dropout > 0)):
         if on:
           setattr(op, field, _op_stream(_stream(rngs, name), stacks[pstr] or (), name))
     setattr(node, attr, data(op))
@@ -510,7 +510,7 @@ def _check_state_stacked(node, op, m, stack):
     v = getattr(op, name, None)
     if v is None:
       continue
-    shape = tuple(jnp.shape(_vget(v)))
+    shape = tuple(jnp.shape(variable_get(v)))
     per_layer_scalar = name in ("act_static_scale", "act_static_count", "act_scale")
     if shape[:len(stack)] != stack or (per_layer_scalar and shape != stack):
       raise ValueError(
