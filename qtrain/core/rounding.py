@@ -23,7 +23,9 @@ Methods:
     key gives a fixed permutation of the word indices, scrambled. Same
     bias bound as ``"low_bit_uniform"``. The key's bits come from
     ``jax.random.key_data``, so any key implementation works; different
-    keys give different noise.
+    keys give different noise. A backward whose roundings are all
+    ``"low_bit_hash"`` derives one key per product without a threefry
+    split either (:func:`split_key`).
 
 Both work for integer qtypes (the step is 1) and for fp8 qtypes (the step is
 the fp8 spacing at ``y``, so the result is one of the two fp8 neighbours).
@@ -115,6 +117,25 @@ def hash_words(key: jax.Array, shape) -> jax.Array:
     index = index + lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % 2**32)
     stride *= shape[axis]
   return _mix32(_mix32(index ^ s0) + s1)
+
+
+def split_key(key: jax.Array | None, n: int, methods) -> list:
+  """``n`` keys for ``n`` roundings, the i-th with ``methods[i]`` (None: no stochastic rounding).
+
+  Where every method is ``"low_bit_hash"`` or None the keys are ``key`` with its data XORed with
+  ``i * golden``: :func:`hash_words` only reads the key's data and scrambles it through its
+  mixer, so distinct data give unrelated noise, where :func:`jax.random.split` adds a threefry
+  program (~200 compiled HLO operations) to every quantized backward. The threefry methods get
+  :func:`jax.random.split`.
+  """
+  if key is None:
+    return [None] * n
+  if any(m not in (None, "low_bit_hash") for m in methods):
+    return list(jax.random.split(key, n))
+  data = jax.random.key_data(key)
+  impl = jax.random.key_impl(key)
+  return [jax.random.wrap_key_data(data ^ jnp.uint32((i * _GOLDEN) & 0xFFFFFFFF), impl=impl)
+          for i in range(1, n + 1)]
 
 
 def _bytes(key: jax.Array, shape, words_fn) -> jax.Array:

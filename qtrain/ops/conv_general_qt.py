@@ -218,7 +218,7 @@ def _fwd(lhs, rhs, lhs_scale, rhs_scale, kd, p, config, out_dtype, meta):
 def _bwd(p, config, out_dtype, meta, res, g):
   lres, rres, kd = res
   ldtype, rdtype, varying = meta
-  k_l, k_r = dqt.split_key(kd, 2)
+  k_l, k_r = dqt.split_key(kd, (config.dlhs_grad, config.drhs_grad))
   if _as_matmul(p):
     lhs_bar, rhs_bar = _matmul_grads(p, config, lres, rres, g, k_l, k_r, (ldtype, rdtype))
   else:

@@ -112,15 +112,10 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
   t = jnp.transpose(ys, tuple(yb) + tuple(yk) + tuple(y_free)).astype(jnp.float32)
   t = t.reshape(t.shape[:len(yb) + len(yk)])
   nb = len(yb)
-  group = tuple(range(nb, t.ndim))
-  finite = jnp.isfinite(t)
-  top = jnp.max(jnp.where(finite, t, 0.0), axis=group, keepdims=True)
-  low = jnp.min(jnp.where(finite & (t > 0), t, 1.0), axis=group, keepdims=True)
-  # 2**127 is float32's largest power of two; low / 2**e stays >= 2**-126.
-  e = jnp.clip(jnp.minimum(_exponent(top), _exponent(low) + 126), 0, 127)
+  e = _fold_exponent(t, tuple(range(nb, t.ndim)))
   # Two exact steps of at most 2**-64 each: every positive t >= low ends normal,
   # and no factor is subnormal (a GPU flushes those to zero).
-  half = e // 2
+  half = e >> 1
   t = t * _pow2(-half) * _pow2(half - e)
   if swap_ans:
     s_g = t.reshape(t.shape + (1,) * nxk)
@@ -137,14 +132,38 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
   return g2, y2
 
 
-# frexp / ldexp for the fold's powers of two, by their bits: jnp's versions
-# handle subnormal, zero and non-finite inputs the fold never passes, and add
-# ~40 operations each to every quantized backward product (compile time).
+def _fold_exponent(t: jax.Array, group: tuple[int, ...]) -> jax.Array:
+  """The fold's shift ``e`` per group (int32 in [0, 127], keepdims): the exponent of the
+  group's largest finite value, lowered so that its smallest positive normal value divided by
+  ``2**e`` stays >= 2**-126 (at most 126 below its own exponent). Subnormal values count as
+  zero, as XLA's CPU and GPU compares see them (decided on the bits, so on every platform).
+
+  On the bits: a non-negative float32's int32 bits order as its value, and its biased exponent
+  is ``bits >> 23``. Both ends come from one variadic integer reduction (max of the finite
+  values' bits, min of the positive finite ones'), where two float reductions and a frexp cost
+  ~40 more operations per backward product (compile time).
+  """
+  bits = jax.lax.bitcast_convert_type(t, jnp.int32)
+  finite = jnp.isfinite(t)
+  hi = jax.lax.select(finite, bits, jnp.zeros_like(bits))
+  lo = jax.lax.select(finite & (bits >= _TINY_BITS), bits, jnp.full_like(bits, _ONE_BITS))
+  top, low = jax.lax.reduce((hi, lo), (np.int32(0), np.int32(_ONE_BITS)),
+                            lambda a, b: (jax.lax.max(a[0], b[0]), jax.lax.min(a[1], b[1])),
+                            group)
+  # Biased exponents: top's - 127 and low's - 127 + 126; t >= 0 only reaches here (scales).
+  e = jax.lax.min(jax.lax.shift_right_arithmetic(top, 23) - 127,
+                  jax.lax.shift_right_arithmetic(low, 23) - 1)
+  e = jax.lax.clamp(np.int32(0), e, np.int32(127))
+  return e.reshape(e.shape + (1,) * len(group))
 
 
-def _exponent(v: jax.Array) -> jax.Array:
-  """floor(log2(v)) of positive normal float32 ``v`` (int32); -127 for 0 and subnormals."""
-  return ((jax.lax.bitcast_convert_type(v, jnp.int32) >> 23) & 0xFF) - 127
+_ONE_BITS = 0x3F800000  # the bits of float32 1.0
+_TINY_BITS = 0x00800000  # the bits of float32's smallest normal value
+
+
+# ldexp for the fold's powers of two, by their bits: jnp's version handles subnormal, zero and
+# non-finite inputs the fold never passes, and adds ~20 operations to every quantized backward
+# product (compile time).
 
 
 def _pow2(e: jax.Array) -> jax.Array:
@@ -213,7 +232,7 @@ def _bwd(dn, config, precision, out_dtype, shapes, res, g):
   lres, rres, kd = res
   (lshape, rshape, ldtype, rdtype, varying) = shapes
   (lc, rc), (lb, rb) = dn
-  k_l, k_r = split_key(kd, 2)
+  k_l, k_r = split_key(kd, (config.dlhs_grad, config.drhs_grad))
   # Without a learned scale, finish_operand_grad only masks and casts x_bar, and
   # every product path rounds its float32 result once at the end: the product
   # may be written in the operand's float dtype directly (the same numbers).

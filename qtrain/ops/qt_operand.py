@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from qtrain.core import estimators
 from qtrain.core import qarray as qa
+from qtrain.core import rounding
 from qtrain.ops import config as cfg_lib
 
 
@@ -209,7 +210,8 @@ def as_key(key) -> jax.Array | None:
   return jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
 
 
-def split_key(kd, n: int):
-  if kd is None:
-    return [None] * n
-  return list(jax.random.split(kd, n))
+def split_key(kd, grads) -> list:
+  """One key per backward product, for the :class:`~qtrain.ops.config.GradQuant` (or None) of
+  each (:func:`qtrain.core.rounding.split_key`)."""
+  return rounding.split_key(kd, len(grads), [None if gq is None else gq.stochastic_rounding
+                                             for gq in grads])

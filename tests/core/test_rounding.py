@@ -357,3 +357,40 @@ def test_hash_words_refuses_more_than_2_to_the_32_words():
     jax.eval_shape(lambda k: rounding.hash_words(k, (2, 2**31 + 1)), jax.random.key(0))
   # The largest allowed shape traces.
   assert jax.eval_shape(lambda k: rounding.hash_words(k, (2**32,)), jax.random.key(0)).shape == (2**32,)
+
+
+# split_key: one key per backward product.
+
+
+@pytest.mark.parametrize("methods", [("uniform", None), ("low_bit_uniform", "low_bit_hash"),
+                                     ("uniform", "low_bit_uniform")])
+def test_split_key_is_jax_split_for_threefry_methods(methods):
+  key = jax.random.key(5)
+  got = rounding.split_key(key, 2, methods)
+  want = jax.random.split(key, 2)
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_array_equal(jax.random.key_data(g), jax.random.key_data(w))
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_split_key_for_hash_methods_runs_no_prng_call_and_gives_unrelated_noise(impl):
+  key = jax.random.key(9, impl=impl)
+  methods = ("low_bit_hash", None, "low_bit_hash")
+  fn = lambda k: [jax.random.key_data(s) for s in rounding.split_key(k, 3, methods)]
+  assert _threefry_sizes(fn, key) == []
+  keys = rounding.split_key(key, 3, methods)
+  data = [np.asarray(jax.random.key_data(k)) for k in keys]
+  assert all(k.dtype == key.dtype for k in keys)  # same implementation, typed keys
+  assert len({d.tobytes() for d in data} | {np.asarray(jax.random.key_data(key)).tobytes()}) == 4
+  # The noise of two derived keys (and of the parent) is uncorrelated: words agree on ~half
+  # their bits, bytes as often as chance allows.
+  words = [np.asarray(rounding.hash_words(k, (64, 1024))) for k in (key, *keys)]
+  for i in range(4):
+    for j in range(i + 1, 4):
+      frac = np.mean(np.unpackbits((words[i] ^ words[j]).view(np.uint8)))
+      assert abs(frac - 0.5) <= Z_MAX * 0.5 / np.sqrt(words[i].size * 32), (i, j, frac)
+  assert rounding.split_key(None, 2, methods[:2]) == [None, None]
+  # Deterministic, and under jit the same keys.
+  again = jax.jit(fn)(key)
+  for a, b in zip(again, data):
+    np.testing.assert_array_equal(np.asarray(a), b)

@@ -1064,3 +1064,33 @@ def test_bad_dimension_numbers_raise_naming_the_axes(dn, ls, rs, msg):
     dot_general_qt(jnp.ones(ls), jnp.ones(rs), dn, cfg)
   with pytest.raises(ValueError, match=msg):
     qdot_lib.normalize_dimension_numbers(dn, len(ls), len(rs), lhs_shape=ls, rhs_shape=rs)
+
+
+def test_fold_exponent_matches_its_definition_on_float32_edges():
+  """dot_general_qt._fold_exponent reads both ends of each group from one integer reduction of
+  the float32 bits: compare with the definition (the exponent of the largest finite value,
+  capped 126 above the smallest positive normal one's, clipped to [0, 127]; subnormals count as
+  zero) on scales spanning subnormals to the float32 limit, with zeros, negatives, Inf and NaN
+  in the groups."""
+  rng = np.random.default_rng(3)
+  tiny = np.finfo(np.float32).tiny
+
+  def exponent(v):  # floor(log2 v) for normal v; -127 for 0 and subnormals
+    return np.where(v >= tiny, np.frexp(np.maximum(v, tiny))[1] - 1, -127)
+
+  for trial in range(200):
+    b, k = int(rng.integers(1, 4)), int(rng.integers(1, 30))
+    t = (2.0 ** rng.uniform(-149, 128, (b, k)) * rng.uniform(1, 2, (b, k)))
+    with np.errstate(over="ignore"):
+      t = t.astype(np.float32)
+    pick = rng.random((b, k))
+    t[pick < 0.05] = 0
+    t[(pick >= 0.05) & (pick < 0.08)] = np.inf
+    t[(pick >= 0.08) & (pick < 0.1)] = np.nan
+    t[(pick >= 0.1) & (pick < 0.13)] *= -1
+    got = np.asarray(dqt._fold_exponent(jnp.asarray(t), (1,))).reshape(b)
+    finite = np.isfinite(t)
+    top = np.max(np.where(finite & (t > 0), t, 0), axis=1)
+    low = np.min(np.where(finite & (t >= tiny), t, 1), axis=1)
+    want = np.clip(np.minimum(exponent(top), exponent(low) + 126), 0, 127)
+    np.testing.assert_array_equal(got, want, err_msg=str(t))
