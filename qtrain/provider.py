@@ -173,7 +173,8 @@ class QtProvider:
     rules = tuple(rules)
     for i, r in enumerate(rules):
       if not isinstance(r, rules_lib.QtRule):
-        raise ValueError(f"rules[{i}] must be a qtrain.QtRule, got a {type(r).__name__}")
+        raise ValueError(f"rules[{i}] must be a qtrain.QtRule, got a {type(r).__module__}."
+                         f"{type(r).__qualname__} (qwix's rules go to qtrain.qwix.QtProvider)")
     if not isinstance(rng_stream, str) or not rng_stream:
       raise ValueError(f"rng_stream={rng_stream!r} must be a non-empty string")
     self.rules = rules

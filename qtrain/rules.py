@@ -71,7 +71,10 @@ class QtRule:
       the axes lie in the activation; the tile must divide that product.
     weight_calibration_method, act_calibration_method: a method name
       (``absmax``, ``absmean``, ``rms``, ``minmax``, ``fixed``,
-      ``percentile``) or a :class:`qtrain.core.Calibration`.
+      ``percentile``), the same with arguments as qwix writes them
+      (``"absmax,0.9"``, ``"rms,3"``, ``"fixed,-4,4"``; see
+      :func:`qtrain.core.qarray.as_calibration`) or a
+      :class:`qtrain.core.Calibration`.
     disable_channelwise_axes: one scale per tensor (per tile with
       ``tile_size``) instead of one per row / output channel.
     weight_granularity, act_granularity: the scale granularity of one

@@ -7,7 +7,8 @@ Layers, lowest first (a module may import its own layer and the ones below):
   ops      the QT ops, their configs and the backend dispatch
   api      rules, the binary presets, the provider, optax transforms
   flax     the linen / nnx adapters and the interception
-  layers   qlayers (modules built on the ops and the presets)
+  layers   qlayers (modules built on the ops and the presets), qwix (qwix's API over the
+           provider and quantize_model)
   export   freeze and the frozen layers
   package  qtrain/__init__.py
 
@@ -47,7 +48,7 @@ def layer(mod: str) -> str:
       return pkg
   if mod in API:
     return "api"
-  if mod == "qtrain.qlayers":
+  if mod in ("qtrain.qlayers", "qtrain.qwix"):
     return "layers"
   if mod in ("qtrain.freeze", "qtrain._frozen", "qtrain.lora"):
     return "export"

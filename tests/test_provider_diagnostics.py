@@ -171,7 +171,8 @@ class TestProviderArgument:
       qtrain.quantize_model(model, {"rules": rules})
 
   def test_non_rule_in_provider_is_named_by_type(self):
-    with pytest.raises(ValueError, match=r"^rules\[1\] must be a qtrain.QtRule, got a dict$"):
+    with pytest.raises(ValueError, match=r"^rules\[1\] must be a qtrain.QtRule, got a builtins.dict \(qwix's rules go to "
+                       r"qtrain.qwix.QtProvider\)$"):
       qtrain.QtProvider([qtrain.QtRule(), {"weight_qtype": "int8" * 100}])
 
 

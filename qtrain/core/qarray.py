@@ -136,13 +136,51 @@ class Calibration:
     return self.method == "minmax"
 
 
+_CALIBRATION_STRINGS = ("a method name, or '<method>,<args>' (qwix's format): 'absmax,0.9', "
+                        "'minmax,0.9', 'absmean,2', 'rms,3' (the multiplier), 'percentile,99.9', "
+                        "'fixed,4' or 'fixed,-4,4' (the bound)")
+
+
 def as_calibration(c: "Calibration | str") -> Calibration:
-  """Accepts a :class:`Calibration` or a method name (``"absmax"``, ``"rms"``...)."""
+  """Accepts a :class:`Calibration`, a method name (``"absmax"``, ``"rms"``...) or
+  ``"<method>,<args>"`` as qwix writes it: ``"absmax,0.9"`` / ``"minmax,0.9"`` /
+  ``"absmean,2"`` / ``"rms,3"`` (the multiplier), ``"percentile,99.9"``, ``"fixed,4"`` or
+  ``"fixed,-4,4"`` (the bound: a fixed range is symmetric here, so ``"fixed,-2,4"`` raises).
+
+  Example:
+    >>> from qtrain.core import qarray
+    >>> qarray.as_calibration("rms,3")
+    Calibration(method='rms', multiplier=3.0, bound=None, percentile=None)
+    >>> qarray.as_calibration("fixed,-4,4").bound
+    4.0
+  """
   if isinstance(c, Calibration):
     return c
-  if isinstance(c, str):
-    return Calibration(method=c)
-  raise ValueError(f"calibration={c!r} must be a Calibration or one of {list(CALIBRATION_METHODS)}")
+  if not isinstance(c, str):
+    raise ValueError(f"calibration={c!r} must be a Calibration or one of "
+                     f"{list(CALIBRATION_METHODS)}, or {_CALIBRATION_STRINGS}")
+  method, *args = (part.strip() for part in c.split(","))
+  if not args:
+    return Calibration(method=method)
+  try:
+    nums = [float(a) for a in args]
+  except ValueError:
+    raise ValueError(f"calibration={c!r}: the arguments after the method must be numbers; "
+                     f"valid: {_CALIBRATION_STRINGS}") from None
+  if method == "fixed" and len(nums) in (1, 2):
+    lo, hi = (-abs(nums[0]), abs(nums[0])) if len(nums) == 1 else nums
+    if lo != -hi or hi <= 0:
+      raise ValueError(f"calibration={c!r}: a fixed range is symmetric in qtrain ('fixed,-b,b' or "
+                       f"'fixed,b' with b > 0); got [{lo:g}, {hi:g}]")
+    return Calibration(method="fixed", bound=hi)
+  if method == "percentile" and len(nums) == 1:
+    return Calibration(method="percentile", percentile=nums[0])
+  if method in ("absmax", "minmax", "absmean", "rms") and len(nums) == 1:
+    return Calibration(method=method, multiplier=nums[0])
+  if method not in CALIBRATION_METHODS:
+    return Calibration(method=method)  # raises, naming the valid methods
+  raise ValueError(f"calibration={c!r}: wrong number of arguments for {method!r}; "
+                   f"valid: {_CALIBRATION_STRINGS}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

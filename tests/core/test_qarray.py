@@ -545,3 +545,38 @@ def test_empty_groups_quantize_like_all_zero_groups(qtype, method):
     q = qarray.quantize(jnp.zeros(shape), _spec(qtype, cw, {}, _cal(method)))
     assert q.qvalue.shape == shape and np.all(np.isfinite(np.asarray(q.scale)))
     assert qarray.dequantize(q).shape == shape
+
+
+@pytest.mark.parametrize("text, want", [
+    ("absmax,0.9", qarray.Calibration(method="absmax", multiplier=0.9)),
+    ("minmax, 0.5", qarray.Calibration(method="minmax", multiplier=0.5)),
+    ("absmean,2", qarray.Calibration(method="absmean", multiplier=2.0)),
+    ("rms,3", qarray.Calibration(method="rms", multiplier=3.0)),
+    ("percentile,99.9", qarray.Calibration(method="percentile", percentile=99.9)),
+    ("fixed,4", qarray.Calibration(method="fixed", bound=4.0)),
+    ("fixed,-4,4", qarray.Calibration(method="fixed", bound=4.0)),
+    ("fixed,-4e-3,4e-3", qarray.Calibration(method="fixed", bound=4e-3)),
+])
+def test_as_calibration_reads_method_with_arguments(text, want):
+  assert qarray.as_calibration(text) == want
+  # The same scales as the Calibration it stands for (int4, random data, per channel).
+  x = jnp.asarray(np.random.default_rng(5).normal(size=(6, 9)) * 3, jnp.float32)
+  a = qarray.quantize(x, _spec("int4", (0,), {}, text))
+  b = qarray.quantize(x, _spec("int4", (0,), {}, want))
+  np.testing.assert_array_equal(np.asarray(a.scale), np.asarray(b.scale))
+  np.testing.assert_array_equal(np.asarray(a.qvalue), np.asarray(b.qvalue))
+
+
+@pytest.mark.parametrize("text, match", [
+    ("fixed,-2,4", r"fixed,-2,4.*symmetric.*got \[-2, 4\]"),
+    ("fixed,0", r"symmetric.*b > 0"),
+    ("absmax,x", r"absmax,x.*must be numbers.*'rms,3'"),
+    ("absmax,1,2", r"wrong number of arguments for 'absmax'"),
+    ("percentile", r"percentile=None"),
+    ("bogus,1", r"Unknown calibration method='bogus'; valid: \['absmax'"),
+    ("absmax,-1", r"multiplier=-1.0 is not valid"),
+    ("rms,nan", r"multiplier=nan is not valid"),
+])
+def test_as_calibration_strings_with_bad_arguments_raise_naming_them(text, match):
+  with pytest.raises(ValueError, match=match):
+    qarray.as_calibration(text)

@@ -1,0 +1,167 @@
+"""qtrain.qwix: qwix's QT API (rules with qwix's fields and defaults, its RNG stream,
+get_unused_rules), checked against the qtrain rule each qwix rule stands for: the same numbers,
+where qwix's documentation says what a field means."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qtrain
+from qtrain import qwix
+from qtrain.core import qarray
+
+
+class _Net(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Conv(6, (3,), name="conv")(x)
+    h = nn.Dense(8, name="dense")(h)
+    return jnp.einsum("blf,fo->blo", h, self.param("proj", nn.initializers.normal(1.0), (8, 3)))
+
+
+def _x():
+  return jax.random.normal(jax.random.key(0), (2, 5, 4), jnp.float32)
+
+
+def _grads(provider, stream, key=7):
+  model = qtrain.quantize_model(_Net(), provider)
+  x = _x()
+  params = model.init(jax.random.key(1), x)
+  loss = lambda p, x: (model.apply(p, x, rngs={stream: jax.random.key(key)}) ** 2).sum()
+  out = model.apply(params, x, rngs={stream: jax.random.key(key)})
+  return out, jax.grad(loss, argnums=(0, 1))(params, x)
+
+
+def _assert_same(a, b):
+  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def _assert_differ(a, b):
+  assert any(not np.array_equal(np.asarray(u), np.asarray(v))
+             for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def test_qt_rule_trains_as_the_qtrain_rule_it_stands_for_with_qwix_rng_stream():
+  common = dict(module_path=".*", weight_qtype=jnp.int8, act_qtype=jnp.int8, bwd_qtype=jnp.int8,
+                bwd_stochastic_rounding="uniform")
+  got = _grads(qwix.QtProvider([qwix.QtRule(**common)]), "stochastic_rounding")
+  want = _grads(qtrain.QtProvider([qtrain.QtRule(**common)]), "quant")
+  _assert_same(got, want)
+  # The stream is really used: another key gives other gradients.
+  other = _grads(qwix.QtProvider([qwix.QtRule(**common)]), "stochastic_rounding", key=8)
+  _assert_differ(got[1], other[1])
+  # And the quantization is really on: the float model differs.
+  _assert_differ(got[0], _grads(qtrain.QtProvider([]), "quant")[0])
+
+
+def test_empty_op_names_means_every_op_and_a_list_restricts():
+  every = qwix.QtProvider([qwix.QtRule(weight_qtype="int8", act_qtype="int8")])
+  model = qtrain.quantize_model(_Net(), every)
+  model.init(jax.random.key(1), _x())
+  ops = {(r.path, r.op_name): r.status for r in every.records()}
+  assert {o for _, o in ops} == {"conv_general_dilated", "dot_general", "einsum"}
+  assert all(r.rule_index == 0 for r in every.records())
+  only = qwix.QtProvider([qwix.QtRule(op_names=["einsum"], weight_qtype="int8")])
+  qtrain.quantize_model(_Net(), only).init(jax.random.key(1), _x())
+  assert {r.op_name for r in only.records() if r.rule_index == 0} == {"einsum"}
+
+
+def test_rule_without_weight_qtype_leaves_the_op_float_as_qwix_does():
+  x = _x()
+  float_model = _Net()
+  params = float_model.init(jax.random.key(1), x)
+  act_only = qwix.QtProvider([qwix.QtRule(act_qtype="int8", bwd_qtype="int8")])
+  qmodel = qtrain.quantize_model(_Net(), act_only)
+  np.testing.assert_array_equal(np.asarray(qmodel.apply(params, x)),
+                                np.asarray(float_model.apply(params, x)))
+  # A qtrain rule with act_qtype alone does quantize: the conversion is qwix's semantics.
+  qt = qtrain.quantize_model(_Net(), qtrain.QtProvider([qtrain.QtRule(act_qtype="int8")]))
+  assert not np.array_equal(np.asarray(qt.apply(params, x)), np.asarray(float_model.apply(params, x)))
+
+
+@pytest.mark.parametrize("text, cal", [
+    ("absmax,0.9", qarray.Calibration(method="absmax", multiplier=0.9)),
+    ("rms,3", qarray.Calibration(method="rms", multiplier=3.0)),
+    ("fixed,-4,4", qarray.Calibration(method="fixed", bound=4.0)),
+    (None, qarray.Calibration(method="absmax")),
+])
+def test_calibration_strings_and_defaults_map_to_qtrain_calibrations(text, cal):
+  rule = qwix.QtRule(weight_qtype="int8", act_qtype="int8", weight_calibration_method="absmax",
+                     act_calibration_method=text)
+  assert qwix.to_qtrain_rule(rule).act_calibration_method == cal
+  got = _grads(qwix.QtProvider([rule]), "stochastic_rounding")
+  want = _grads(qtrain.QtProvider([qtrain.QtRule(weight_qtype="int8", act_qtype="int8",
+                                                 act_calibration_method=cal)]), "quant")
+  _assert_same(got, want)
+
+
+def test_get_unused_rules_returns_the_given_rules_after_the_model_ran():
+  used = qwix.QtRule(module_path="dense", weight_qtype="int8")
+  unused = qwix.QtRule(module_path="decoder/.*", weight_qtype="int8")
+  wrong_op = qwix.QuantizationRule(module_path="conv", op_names=("einsum",), weight_qtype="int8")
+  provider = qwix.QtProvider([used, unused, wrong_op])
+  with pytest.raises(ValueError, match="has not run yet"):
+    provider.get_unused_rules()
+  model = qtrain.quantize_model(_Net(), provider)
+  with pytest.warns(UserWarning, match="matched no op"):
+    model.init(jax.random.key(1), _x())
+  got = provider.get_unused_rules()
+  assert len(got) == 2 and got[0] is unused and got[1] is wrong_op
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("tile_size", 0.25, "fraction of the axis"),
+    ("bwd_weight_grad_tile_size", 64, "bwd_weight_grad_tile_size=64"),
+    ("additional_qt_config", {"lhs": None}, "additional_qt_config"),
+    ("act_batch_axes", (0, 1), "one per tensor"),
+])
+def test_fields_qtrain_cannot_honour_raise_naming_the_field(field, value, words):
+  rule = qwix.QtRule(weight_qtype="int8", **{field: value})
+  with pytest.raises(ValueError, match=rf"^rules\[0\]: qwix rule.*{words}"):
+    qwix.QtProvider([rule])
+
+
+def test_qtrain_provider_points_qwix_rules_to_the_compat_provider():
+  with pytest.raises(ValueError, match=r"got a qtrain\.qwix\.QtRule \(qwix's rules go to "
+                                       r"qtrain\.qwix\.QtProvider\)"):
+    qtrain.QtProvider([qwix.QtRule(weight_qtype="int8")])
+  with pytest.raises(ValueError, match="expected a qwix QuantizationRule"):
+    qwix.QtProvider([{"weight_qtype": "int8"}])
+
+
+def test_quantization_rule_is_a_plain_rule_without_backward():
+  rule = qwix.QuantizationRule(weight_qtype="int8", act_qtype="int8", tile_size=4)
+  got = qwix.to_qtrain_rule(rule)
+  assert got == qtrain.QtRule(weight_qtype="int8", act_qtype="int8", tile_size=4)
+  assert got.bwd_qtype is None and got.op_names is None
+  # A qtrain rule passes through unchanged.
+  r = qtrain.QtRule(weight_qtype="int4")
+  assert qwix.to_qtrain_rule(r) is r
+
+
+def test_nnx_quantize_model_returns_a_quantized_copy_and_reads_the_qwix_stream():
+  from flax import nnx
+  x = _x().reshape(10, 4)
+  model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+  before = np.asarray(model(x))
+  rule = qwix.QtRule(weight_qtype="int8", act_qtype="int8", bwd_qtype="int8",
+                     bwd_stochastic_rounding="uniform")
+  qmodel = qwix.quantize_model(model, qwix.QtProvider([rule]), x,
+                               rngs=nnx.Rngs(stochastic_rounding=3))
+  # qtrain's own nnx quantize_model of the same rule gives the same numbers (same seed; each
+  # call advances an op's key, so both are compared at their first call).
+  same = qtrain.quantize_model(nnx.Linear(4, 3, rngs=nnx.Rngs(0)),
+                               qtrain.QtProvider([qwix.to_qtrain_rule(rule)], rng_stream="quant"),
+                               x, rngs=nnx.Rngs(quant=3))
+  grad = lambda m: nnx.grad(lambda m: (m(x) ** 2).sum())(m)
+  _assert_same(nnx.state(grad(qmodel)), nnx.state(grad(same)))
+  assert qmodel is not model
+  np.testing.assert_array_equal(np.asarray(model(x)), before)  # the float model stays float
+  assert not np.array_equal(np.asarray(qmodel(x)), before)
+  with pytest.raises(ValueError, match="call_method='encode'"):
+    qwix.quantize_model(model, qwix.QtProvider([rule]), x, call_method="encode")
