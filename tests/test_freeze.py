@@ -598,3 +598,30 @@ def test_docstring_example():
   import doctest
   res = doctest.testmod(freeze, optionflags=doctest.ELLIPSIS)
   assert res.failed == 0 and res.attempted > 0
+
+
+@pytest.mark.parametrize("qtype, act, tile", [("int3", "int8", None), ("int5", None, 32),
+                                               ("int6", "int8", None), ("int7", None, None)])
+def test_int3_to_int7_weights_freeze_into_their_container_and_run_its_kernels(qtype, act, tile):
+  """int3 weights are stored in int4's 4-bit fields and int5..int7 in bytes; the frozen layer
+  runs the container's kernels (interpreted) and the XLA path, both as the QT forward does.
+  Integer products are exact, so only float32 rounding of the scaled sums separates them."""
+  rule = qtrain.QtRule(module_path=".*", weight_qtype=qtype, act_qtype=act, tile_size=tile)
+  provider = qtrain.QtProvider([rule])
+  model = nn.Dense(48)
+  qmodel = qtrain.quantize_model(model, provider)
+  x = jax.random.normal(jax.random.key(0), (5, 64))
+  v = qmodel.init(jax.random.key(1), x)
+  frozen = freeze.freeze(v, provider)
+  layer = frozen["layers"][""]
+  bits = qtrain.core.get_qtype(qtype).bits
+  assert layer.words.dtype == jnp.uint32 and layer.words.shape == (48, 64 * bits // 32)
+  ref = np.asarray(qmodel.apply(v, x), np.float64)
+  for impl in ("xla", "interpret"):
+    out = np.asarray(freeze.apply_frozen(model, frozen, x, implementation=impl), np.float64)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=impl)
+  # The codes use the qtype's own range, not the container's.
+  codes = np.asarray(qtrain.core.packing.unpack(layer.words, qtype, size=64))
+  qt = qtrain.core.get_qtype(qtype)
+  assert codes.min() >= qt.qmin and codes.max() <= qt.qmax
+  assert np.abs(codes).max() == qt.qmax  # absmax: each channel's largest value lands on qmax

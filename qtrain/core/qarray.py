@@ -505,8 +505,10 @@ def _calibrate_minmax(lo: jax.Array, hi: jax.Array, qt: qtypes.QType, multiplier
   """Scale and integer zero point mapping [min(x, 0), max(x, 0)] * multiplier
   onto [qmin, qmax], with every dequantized value ``(q - zp) * scale`` finite.
 
-  The span is computed as ``hi / n - lo / n`` (``hi - lo`` overflows for
-  values near the float32 limit). The zero point is rounded to an integer, so
+  The span is ``(hi - lo) / n``, or ``hi / n - lo / n`` where an end is beyond half the float32
+  limit (``hi - lo`` could overflow there); not the latter everywhere: for a span near the
+  smallest normal float32 each quotient is subnormal and flushed to zero (XLA, CPU and GPU),
+  which would floor the scale at TINY. The zero point is rounded to an integer, so
   the grid's ends lie within half a step of the range; where that half step
   would take an end past the float32 limit, the zero point moves one step
   the other way (the values at that end then come back within one step), and
@@ -522,7 +524,9 @@ def _calibrate_minmax(lo: jax.Array, hi: jax.Array, qt: qtypes.QType, multiplier
   # Cap: 2**(bits-1) steps on each side of 0 fit in float32 (with a little
   # room for rounding), so some integer zero point keeps both ends finite.
   cap = max_scale(-qt.qmin) * (1 - 2.0 ** -18)
-  scale = jnp.clip(hi / n - lo / n, TINY, cap)
+  big = (hi > _F32_MAX / 2) | (lo < -_F32_MAX / 2)
+  span = jnp.where(big, hi / n - lo / n, (hi - lo) / n)
+  scale = jnp.clip(span, TINY, cap)
   scale = jnp.where(zero, 1.0, scale)
   r = jnp.round(divide_by_scale(lo, scale))  # the code of 0 is -r: the grid is (r .. r + n) * scale
   # |j * scale| stays finite for |j| <= k.

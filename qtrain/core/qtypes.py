@@ -1,7 +1,7 @@
 """The qtype registry: what each quantized number format is.
 
 A *qtype* names a quantized number format. Users pass qtypes as strings
-(``"int8"``, ``"int4"``, ``"int2"``, ``"binary"``, ``"ternary"``,
+(``"int8"``, ``"int7"`` ... ``"int2"``, ``"binary"``, ``"ternary"``,
 ``"float8_e4m3fn"``, ``"float8_e5m2"``) or, where JAX has one, as a dtype
 (``jnp.int8``, ``jnp.int4``, ``jnp.float8_e4m3fn``, ...). :func:`get_qtype`
 turns either into a :class:`QType` record.
@@ -33,7 +33,8 @@ class QType:
     name: canonical name (``"int8"``, ``"binary"``, ...).
     kind: ``"int"`` (symmetric two's-complement integers), ``"binary"``
       (values -1/+1), ``"ternary"`` (-1/0/+1) or ``"float"`` (fp8).
-    bits: bits per value in storage (1 for binary, 2 for ternary).
+    bits: bits per value in storage (1 for binary, 2 for ternary and int2, 4
+      for int3 and int4, 8 for int5..int8 and fp8).
     qmin: smallest representable quantized value (for ``float`` kinds the
       most negative finite value).
     qmax: largest representable quantized value (the calibration maps the
@@ -61,19 +62,27 @@ class QType:
     """True for int, binary and ternary: computed exactly in int8."""
     return self.kind != "float"
 
+  @property
+  def container(self) -> str:
+    """The qtype whose packed layout and kernels hold this one's codes: int3 sits in int4's
+    4-bit fields, int5..int7 in int8's bytes (every code fits, sign-extended the same way);
+    every other qtype is its own container."""
+    return f"int{self.bits}" if self.kind == "int" else self.name
+
   def __str__(self) -> str:
     return self.name
 
 
 def _int(bits: int) -> QType:
+  # Stored in the next packed field width: int3 in int4's 4-bit fields, int5..int7 in bytes.
   return QType(
       name=f"int{bits}",
       kind="int",
-      bits=bits,
+      bits=next(b for b in (2, 4, 8) if b >= bits),
       qmin=-(2 ** (bits - 1)),
       qmax=2 ** (bits - 1) - 1,
       compute_dtype=jnp.dtype(jnp.int8),
-      packable=bits in (2, 4, 8),
+      packable=True,
   )
 
 
@@ -93,7 +102,11 @@ def _fp8(name: str) -> QType:
 
 _REGISTRY: dict[str, QType] = {
     "int8": _int(8),
+    "int7": _int(7),
+    "int6": _int(6),
+    "int5": _int(5),
     "int4": _int(4),
+    "int3": _int(3),
     "int2": _int(2),
     "binary": QType(
         name="binary", kind="binary", bits=1, qmin=-1, qmax=1,

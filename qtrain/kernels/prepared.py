@@ -104,7 +104,7 @@ def prepare_weight(values: jax.Array, qtype, *, scale=None, zero_point=None,
   Args:
     values: int8 quantized values (N, K); or, with ``k`` given, uint32 words
       (N, ceil(K / vpw)) packed by :func:`qtrain.core.packing.pack`.
-    qtype: binary, ternary, int2, int4 or int8.
+    qtype: binary, ternary or int2..int8 (int3 is laid out as int4, int5..int7 as int8).
     scale: per-channel (N,) / (N, 1) / scalar, or group-wise (N, K // group_size).
     zero_point: None, or like a group-wise ``scale`` (needs ``group_size``).
     group_size: K values per scale group (a multiple of 16 that divides K).
@@ -121,9 +121,12 @@ def prepare_weight(values: jax.Array, qtype, *, scale=None, zero_point=None,
   """
   qt = qtypes.get_qtype(qtype)
   if not qt.packable:
-    raise ValueError(f"qtype {qt.name!r} has no kernel layout; use binary, ternary, int2, int4 or int8")
+    raise ValueError(f"qtype {qt.name!r} has no kernel layout; use binary, ternary or int2..int8")
   if k is not None:
     values = packing.unpack(values, qt, size=k, axis=-1)
+  # int3 codes are laid out as int4, int5..int7 as int8: every code fits, and the kernels are
+  # those of the container.
+  qt = qtypes.get_qtype(qt.container)
   values = jnp.asarray(values)
   if values.ndim != 2:
     raise ValueError(f"weights must be 2-D (N, K); got shape {values.shape}")

@@ -10,7 +10,7 @@ import pytest
 
 from qtrain.core import packing, qtypes
 
-PACKABLE = ["binary", "ternary", "int2", "int4", "int8"]
+PACKABLE = ["binary", "ternary", "int2", "int3", "int4", "int5", "int6", "int7", "int8"]
 
 _SETTINGS = hypothesis.settings(max_examples=12, deadline=None, database=None,
                                 suppress_health_check=[hypothesis.HealthCheck.too_slow])
@@ -126,8 +126,8 @@ def test_non_packable_qtype_raises(qtype):
 
 
 def test_unknown_qtype_raises():
-  with pytest.raises(ValueError, match="int3"):
-    packing.pack(jnp.ones((4,), jnp.int8), "int3")
+  with pytest.raises(ValueError, match="int9"):
+    packing.pack(jnp.ones((4,), jnp.int8), "int9")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn])

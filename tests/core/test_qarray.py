@@ -27,7 +27,7 @@ from qtrain.core import qarray, qtypes
 FP32_SLACK = 2.0 ** -21       # a few float32 ulps, relative
 SCALE_RTOL = 2e-6             # float32 reductions vs the float64 reference (<= 128 terms)
 
-INT_QTYPES = ["int8", "int4", "int2", "ternary"]
+INT_QTYPES = ["int8", "int6", "int4", "int3", "int2", "ternary"]
 FP8_QTYPES = ["float8_e4m3fn", "float8_e5m2"]
 ALL_QTYPES = list(qtypes.VALID_QTYPES)
 
@@ -302,8 +302,8 @@ def test_bad_specs_raise():
     _spec("int8", (), {1: 0})
   with pytest.raises(ValueError, match="stochastic_rounding"):
     _spec("int8", (), {}, stochastic_rounding="sometimes")
-  with pytest.raises(ValueError, match="int3"):
-    _spec("int3", (), {})
+  with pytest.raises(ValueError, match="int9"):
+    _spec("int9", (), {})
   # The same axis named once negative, once positive.
   with pytest.raises(ValueError, match="both"):
     qarray.quantize(jnp.ones((2, 8)), _spec("int8", (1,), {-1: 4}))

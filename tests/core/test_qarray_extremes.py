@@ -300,3 +300,18 @@ def test_nonfinite_value_in_a_large_group_makes_its_group_nan(method, size, bad)
   deq = np.asarray(qarray.dequantize(q))
   assert np.isnan(np.asarray(q.scale)[0]).all() and np.isnan(deq[0]).all()
   assert np.isfinite(np.asarray(q.scale)[1]).all() and np.isfinite(deq[1]).all()
+
+
+@pytest.mark.parametrize("qtype", ["int8", "int7", "int5", "int4", "int3", "int2"])
+def test_minmax_span_near_the_smallest_normal_is_not_floored(qtype):
+  """minmax's span / (qmax - qmin) near float32's smallest normal: each end divided on its own
+  is subnormal (flushed to zero by XLA), so the scale must come from the whole span. Both ends at
+  0.9 * TINY * n give a scale of 1.8 * TINY, not TINY."""
+  qt = qtypes.get_qtype(qtype)
+  n = qt.qmax - qt.qmin
+  tiny = float(np.finfo(np.float32).tiny)
+  end = np.float32(0.9 * tiny * n)
+  x = jnp.asarray(np.array([-end, end, 0.25 * end], np.float32))
+  q = qarray.quantize(x, qarray.QuantizeSpec(qtype=qtype, calibration="minmax"))
+  want = (float(end) - float(-end)) / n
+  assert abs(float(q.scale.reshape(())) - want) <= 4 * 2.0 ** -24 * want, (q.scale, want)

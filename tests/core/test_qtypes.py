@@ -9,7 +9,11 @@ from qtrain.core import qtypes
 # name -> (kind, bits, qmin, qmax, compute dtype, packable)
 EXPECTED = {
     "int8": ("int", 8, -128, 127, jnp.int8, True),
+    "int7": ("int", 8, -64, 63, jnp.int8, True),
+    "int6": ("int", 8, -32, 31, jnp.int8, True),
+    "int5": ("int", 8, -16, 15, jnp.int8, True),
     "int4": ("int", 4, -8, 7, jnp.int8, True),
+    "int3": ("int", 4, -4, 3, jnp.int8, True),
     "int2": ("int", 2, -2, 1, jnp.int8, True),
     "binary": ("binary", 1, -1, 1, jnp.int8, True),
     "ternary": ("ternary", 2, -1, 1, jnp.int8, True),
@@ -50,7 +54,7 @@ def test_dtype_is_accepted(name, dtype):
   assert qtypes.get_qtype(dtype) is qtypes.get_qtype(name)
 
 
-@pytest.mark.parametrize("bad", ["int3", "INT8", "fp8", "uint8", "", jnp.float32, jnp.uint8,
+@pytest.mark.parametrize("bad", ["int1", "int9", "int16", "INT8", "fp8", "uint8", "", jnp.float32, jnp.uint8,
                                  jnp.bfloat16, jnp.float8_e4m3fnuz, 8, None, object()])
 def test_unknown_qtype_raises_value_error_listing_valid_ones(bad):
   with pytest.raises(ValueError) as e:
@@ -58,3 +62,15 @@ def test_unknown_qtype_raises_value_error_listing_valid_ones(bad):
   msg = str(e.value)
   for name in qtypes.VALID_QTYPES:
     assert repr(name) in msg, (name, msg)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_container_holds_every_code_in_the_same_field_width(name):
+  """int3 lives in int4's layout and kernels, int5..int7 in int8's: the container has the
+  qtype's storage width and a code range that covers it."""
+  qt = qtypes.get_qtype(name)
+  box = qtypes.get_qtype(qt.container)
+  assert box.bits == qt.bits and box.kind == qt.kind
+  assert box.qmin <= qt.qmin and qt.qmax <= box.qmax
+  assert (box is qt) is (name in ("int8", "int4", "int2", "binary", "ternary", "float8_e4m3fn",
+                                  "float8_e5m2"))

@@ -336,3 +336,15 @@ def test_auto_at_training_size_traces_xla_alone(qtype):
   xla = XlaBackend(gemm_layout=True)
   ref = lambda x, w: xla.run(xla.plan(DotCall(x, w, dn, jnp.dtype(jnp.float32))))
   assert str(jax.make_jaxpr(auto)(x, w)) == str(jax.make_jaxpr(ref)(x, w))
+
+
+@pytest.mark.parametrize("wq, lq, tiles", [("int3", "int8", None), ("int5", "int8", {0: 32}),
+                                           ("int7", None, None), ("int6", "int6", None)])
+def test_int3_to_int7_weights_run_their_container_kernels(wq, lq, tiles):
+  """A forced kernel backend takes int3 weights as int4 and int5..int7 as int8 (it would raise
+  Unsupported otherwise); integer products match the XLA path to float32 rounding."""
+  w = _quant(W, wq, (1,), tiles)
+  x = _quant(X, lq, (0, 1)) if lq else X.astype(jnp.bfloat16)
+  a, b = _both(x, w, DENSE_DN)
+  assert _rel(a, b) < (INT_EXACT if lq else FLOAT_BUDGET)
+  assert _rel(b, jnp.einsum("blk,kn->bln", X, W)) < 0.5  # and it is the product asked for

@@ -152,7 +152,8 @@ def plan_matmul(call: DotCall) -> MatmulPlan:
     return MatmulPlan(x, x_scale, rhs, tuple(lhs.shape[:-1]) + (rhs.n,), call.out_dtype)
   if not _base.is_qarray(rhs):
     raise Unsupported("the rhs is not quantized (kernels take quantized weights as rhs)")
-  if rhs.qtype.name not in _mosaic.QTYPES:
+  container = rhs.qtype.container  # int3 runs as int4, int5..int7 as int8 (the codes fit)
+  if container not in _mosaic.QTYPES:
     raise Unsupported(f"rhs qtype {rhs.qtype.name} (the Mosaic kernel takes {_mosaic.QTYPES})")
   if rhs.zero_point is not None:
     raise Unsupported("weight zero points")
@@ -161,13 +162,13 @@ def plan_matmul(call: DotCall) -> MatmulPlan:
   if kind != "channel":
     raise Unsupported("group-wise weight scales (the Mosaic kernel takes per-channel scales)")
   x, x_scale = _matmul_lhs(lhs, lc, lfree)
-  if rhs.qtype.name == "int2" and x.dtype != jnp.int8:
+  if container == "int2" and x.dtype != jnp.int8:
     raise Unsupported(f"int2 weights with {x.dtype} activations (the Mosaic kernel runs int2 "
                       f"weights with integer activations only)")
   if not 1 <= x.shape[0] <= _mosaic.MAX_M or x.shape[1] == 0:
     raise Unsupported(f"M={x.shape[0]} (the small-M Mosaic kernel serves M in 1..{_mosaic.MAX_M}; "
                       f"larger M runs on the Mosaic GEMM, which takes integer QArrays on both sides)")
-  w = _mosaic.prepare_mosaic_weight(_base.canonical_operand(rhs.qvalue, rc, rfree), rhs.qtype.name,
+  w = _mosaic.prepare_mosaic_weight(_base.canonical_operand(rhs.qvalue, rc, rfree), container,
                                     scale=s, order="int8" if x.dtype == jnp.int8 else "float",
                                     tiles=None)  # repacked per call: no extra transpose
   out_shape = tuple(lhs.shape[a] for a in lfree) + tuple(rhs.shape[a] for a in rfree)

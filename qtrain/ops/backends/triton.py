@@ -86,7 +86,7 @@ class TritonBackend:
       raise Unsupported("the rhs is not quantized (kernels take quantized weights as rhs)")
     lq = _base.is_qarray(lhs)
     lc, rc, lfree, rfree = _base.axes(lhs, rhs, dn)
-    if rhs.qtype.name not in QTYPES:
+    if rhs.qtype.container not in QTYPES:  # int3 runs as int4, int5..int7 as int8
       raise Unsupported(f"rhs qtype {rhs.qtype.name} (kernels: {QTYPES})")
     out_shape = tuple(lhs.shape[a] for a in lfree) + tuple(rhs.shape[a] for a in rfree)
     if lq:
@@ -109,7 +109,7 @@ class TritonBackend:
         raise Unsupported("weight zero points need group-wise scales")
       _, zero, _ = _base.weight_scale(rhs.zero_point.astype(jnp.float32), rc, rfree, rhs.shape)
     wq = _base.canonical_operand(rhs.qvalue, rc, rfree)
-    as_is = (tuple(rfree) + tuple(rc) == tuple(range(rhs.ndim)) and rhs.qtype.name == "int8"
+    as_is = (tuple(rfree) + tuple(rc) == tuple(range(rhs.ndim)) and rhs.qtype.container == "int8"
              and kind == "channel" and wq.shape[0] % 128 == 0 and wq.shape[1] % 128 == 0)
     try:
       # (K, N) words measured faster for 16-bit activations (docs/performance-history.md).
