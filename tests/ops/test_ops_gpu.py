@@ -223,3 +223,25 @@ def test_low_precision_conv_of_the_same_fp8_values_matches_cpu():
   # the fp8 values, which XLA may run as an fp8 convolution) was measured at 5.5e-5 on an
   # H200, the accuracy of Hopper's fp8 accumulation (FP8_FWD_BUDGET, as for the fp8 dot).
   assert _rel(g, c) < FP8_FWD_BUDGET
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+@pytest.mark.parametrize("wq, act", [("int3", "int8"), ("int3", None), ("int5", "int8"),
+                                     ("int7", None)])
+def test_int3_to_int7_weights_run_on_their_container_kernels(backend, wq, act):
+  """int3 weights run on the int4 kernels, int5..int7 on the int8 ones (the codes fit their
+  container's fields): forced GPU backends take them and give the XLA path's numbers."""
+  from qtrain.core import qarray as qa
+  from qtrain.ops import dispatch
+  x = jax.random.normal(jax.random.key(0), (16, 256), jnp.float32)
+  w = jax.random.normal(jax.random.key(1), (256, 384), jnp.float32)
+  wq_ = qa.quantize(w, qa.QuantizeSpec(qtype=wq, channelwise_axes=(1,)))
+  xq = (qa.quantize(x, qa.QuantizeSpec(qtype=act, channelwise_axes=(0,))) if act
+        else x.astype(jnp.bfloat16))
+  dn = (((1,), (0,)), ((), ()))
+  run = lambda impl: jax.jit(lambda a, b: dispatch.quantized_dot_general(
+      a, b, dn, preferred_element_type=jnp.float32, implementation=impl))(xq, wq_)
+  got, want = run(backend), run("xla")
+  # Integer products are exact (float32 rounding of the scaled sums only); bf16 activations
+  # times dequantized weights accumulate in float32 in a different order.
+  assert _rel(got, want) < (BUDGET if act else 1e-2), (backend, wq, act)
