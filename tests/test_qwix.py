@@ -165,3 +165,20 @@ def test_nnx_quantize_model_returns_a_quantized_copy_and_reads_the_qwix_stream()
   assert not np.array_equal(np.asarray(qmodel(x)), before)
   with pytest.raises(ValueError, match="call_method='encode'"):
     qwix.quantize_model(model, qwix.QtProvider([rule]), x, call_method="encode")
+
+
+def test_nnx_set_attributes_disable_quant_stats_update_freezes_static_scales():
+  from flax import nnx
+  x = jax.random.normal(jax.random.key(0), (3, 8))
+  rule = qwix.QtRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True)
+  model = qwix.quantize_model(nnx.Linear(8, 4, rngs=nnx.Rngs(0)), qwix.QtProvider([rule]), x)
+  stats = lambda: [np.asarray(v) for v in jax.tree.leaves(nnx.state(model, qtrain.QuantStat))]
+  assert stats()
+  model.set_attributes(disable_quant_stats_update=True)
+  before = stats()
+  model(5 * x)
+  for u, v in zip(before, stats(), strict=True):
+    np.testing.assert_array_equal(u, v)
+  model.set_attributes(disable_quant_stats_update=False)
+  model(5 * x)
+  assert any(not np.array_equal(u, v) for u, v in zip(before, stats(), strict=True))

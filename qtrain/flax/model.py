@@ -212,6 +212,16 @@ class QtOp(nnx.Module):
     if rng is not None:
       self.rng = rng
 
+  @property
+  def disable_quant_stats_update(self) -> bool:
+    """qwix's name for ``not calibrate``: ``model.set_attributes(disable_quant_stats_update=True)``
+    freezes the static activation scales, as in qwix."""
+    return not self.calibrate
+
+  @disable_quant_stats_update.setter
+  def disable_quant_stats_update(self, value: bool) -> None:
+    self.calibrate = not bool(value)
+
   def __call__(self, *args, **kwargs):
     host = _NnxHost(self)
     op_id = f"{self.op_name}0"
