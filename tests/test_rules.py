@@ -31,7 +31,7 @@ class TestQtRuleValidation:
       (dict(op_names=("dot_general", "matmul")), ["op_names", "matmul"]),
       (dict(op_names="conv"), ["op_names"]),
       (dict(module_path="(unclosed"), ["module_path", "regex"]),
-      (dict(weight_qtype="int3"), ["weight_qtype", "int3"]),
+      (dict(weight_qtype="int9"), ["weight_qtype", "int9"]),
       (dict(weight_qtype="int8", tile_size=0), ["tile_size"]),
       (dict(tile_size=64), ["tile_size", "weight_qtype"]),
       (dict(weight_qtype="int8", weight_estimator="magic"), ["weight_estimator"]),

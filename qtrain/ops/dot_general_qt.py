@@ -139,17 +139,18 @@ def _fold_exponent(t: jax.Array, group: tuple[int, ...]) -> jax.Array:
   zero, as XLA's CPU and GPU compares see them (decided on the bits, so on every platform).
 
   On the bits: a non-negative float32's int32 bits order as its value, and its biased exponent
-  is ``bits >> 23``. Both ends come from one variadic integer reduction (max of the finite
-  values' bits, min of the positive finite ones'), where two float reductions and a frexp cost
-  ~40 more operations per backward product (compile time).
+  is ``bits >> 23``. Both ends come from integer reductions of the bits (max of the finite
+  values', min of the positive normal ones'), where float reductions and a frexp cost ~40 more
+  operations per backward product (compile time).
   """
   bits = jax.lax.bitcast_convert_type(t, jnp.int32)
   finite = jnp.isfinite(t)
   hi = jax.lax.select(finite, bits, jnp.zeros_like(bits))
   lo = jax.lax.select(finite & (bits >= _TINY_BITS), bits, jnp.full_like(bits, _ONE_BITS))
-  top, low = jax.lax.reduce((hi, lo), (np.int32(0), np.int32(_ONE_BITS)),
-                            lambda a, b: (jax.lax.max(a[0], b[0]), jax.lax.min(a[1], b[1])),
-                            group)
+  # Two single-operand reductions, not one variadic one: XLA's SPMD partitioner all-reduces
+  # these over a sharded axis, where it all-gathers the operands of a variadic reduce.
+  top = jax.lax.reduce_max(hi, group)
+  low = jax.lax.reduce_min(lo, group)
   # Biased exponents: top's - 127 and low's - 127 + 126; t >= 0 only reaches here (scales).
   e = jax.lax.min(jax.lax.shift_right_arithmetic(top, 23) - 127,
                   jax.lax.shift_right_arithmetic(low, 23) - 1)

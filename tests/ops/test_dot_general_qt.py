@@ -749,7 +749,7 @@ def test_learned_binary_activation_scale_gets_bitorch_gradient():
 
 def test_bad_configs_raise_naming_the_field():
   with pytest.raises(ValueError, match="qtype"):
-    OQ(qtype="int3")
+    OQ(qtype="int9")
   with pytest.raises(ValueError, match="qtype"):
     C.GradQuant(qtype="uint8")
   with pytest.raises(ValueError, match="scale_grad"):

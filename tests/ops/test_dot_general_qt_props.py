@@ -452,7 +452,8 @@ def backward_bound(case, g, x: Side, y: Side, gq, which: str):
     gp = g64
     if y.oq is not None:
       varies = lambda axes: any(y.scale.shape[a] != 1 for a in axes)
-      if varies(yfree) and not varies(y_contract):
+      # (An empty contraction has no scale to fold: its product is zeros.)
+      if varies(yfree) and not varies(y_contract) and all(y.x.shape[a] for a in y_contract):
         # g' = g * s_y (s_y in g's layout), y' = y / s_y.
         idx = tuple(0 if a in y_contract else slice(None) for a in range(y.x.ndim))
         red_letters = "".join(ch for a, ch in enumerate(ys) if a not in y_contract)
