@@ -413,7 +413,8 @@ class QtProvider:
       if out_sharding is not None:
         raise NotImplementedError(
             f"qtrain: {op_name} in module {path!r} was called with out_sharding={out_sharding!r}; "
-            "quantized ops do not take out_sharding (shard the inputs instead)")
+            "quantized ops do not take out_sharding (shard the inputs instead, or keep this op "
+            f"float with a rule that matches it first: QtRule(module_path={path!r}))")
       dn = qdot.normalize_dimension_numbers(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
       if not rule.quantizes:  # an adapter on the float op
         self._rec(path, op_id, op_name, m, FLOAT_LORA, weight_operand, shapes,
@@ -474,11 +475,17 @@ class QtProvider:
     if weight_operand is None or weight_operand < 0:
       self._no_weight(path, op_id, "einsum", m, weight_operand, shapes)
       return fallback(subscripts, *operands, **kwargs)
+    if kwargs.get("out_sharding") is not None:  # as dot_general: raise, never quietly float
+      raise NotImplementedError(
+          f"qtrain: einsum {subscripts!r} in module {path!r} was called with out_sharding="
+          f"{kwargs['out_sharding']!r}; quantized ops do not take out_sharding (shard the inputs "
+          f"instead, or keep this op float with a rule that matches it first: "
+          f"QtRule(module_path={path!r}))")
     plan = _einsum.parse(subscripts, *shapes) if len(operands) == 2 else None
     extra = {k: v for k, v in kwargs.items()
              if k not in ("precision", "preferred_element_type", "optimize", "_dot_general",
                           "out_sharding") and v is not None}
-    if plan is None or extra or kwargs.get("out_sharding") is not None:
+    if plan is None or extra:
       self._rec(path, op_id, "einsum", m, FLOAT_UNSUPPORTED, weight_operand, shapes)
       self.warn_once((path, op_id, "einsum"),
                      f"qtrain: einsum {subscripts!r} in module {path!r} (rules[{m[0]}]) cannot be "

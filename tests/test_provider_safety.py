@@ -191,3 +191,31 @@ def test_threads_float_and_quantized_concurrently():
     t.join()
   assert not errors, errors
   assert not _intercept.installed()
+
+
+@pytest.mark.parametrize("op", ["dot_general", "einsum"])
+def test_out_sharding_on_a_quantized_op_raises_naming_the_module_and_the_way_out(op):
+  """Quantized ops do not take out_sharding: a call with one raises (never a quiet float op),
+  naming the module and the float rule that would keep it; with that rule first it runs float."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  out = NamedSharding(jax.make_mesh((1,), ("d",)), P())
+
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      w = self.param("kernel", nn.initializers.normal(1.0), (8, 4))
+      if op == "einsum":
+        return jnp.einsum("bk,kn->bn", x, w, out_sharding=out)
+      return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), out_sharding=out)
+
+  x = jax.random.normal(jax.random.key(0), (2, 8))
+  quant = qtrain.QtRule(weight_qtype="int8", act_qtype="int8")
+  model = qtrain.quantize_model(M(), qtrain.QtProvider([quant]))
+  with pytest.raises(NotImplementedError,
+                     match=rf"{op}.*in module ''.*out_sharding=NamedSharding.*"
+                           r"QtRule\(module_path=''\)"):
+    model.init(jax.random.key(1), x)
+  kept = qtrain.quantize_model(M(), qtrain.QtProvider([qtrain.QtRule(module_path=""), quant]))
+  with pytest.warns(UserWarning, match=r"rules\[1\].*matched no op"):  # the float rule takes it
+    v = kept.init(jax.random.key(1), x)
+  np.testing.assert_array_equal(np.asarray(kept.apply(v, x)), np.asarray(M().apply(v, x)))
