@@ -259,12 +259,13 @@ def check_output(out, ref: np.ndarray, budget: np.ndarray, *, out_dtype, may_ove
     intermediate may legitimately exceed its dtype, e.g. a float32 partial
     sum, with either sign) out not finite;
   * ``may_be_nan``: outputs whose contraction includes a non-finite group
-    only through implicit zeros (a convolution's padding or dilation holes):
-    NaN is as right there as the finite reference.
+    only through implicit zeros (a convolution's padding or dilation holes,
+    the masks of a grouped convolution): NaN is as right there as the finite
+    value, whichever of the two the reference has.
   """
   o = f64(out)
   assert o.shape == ref.shape, f"{what}: shape {o.shape} != reference {ref.shape}"
-  nan = np.isnan(ref)
+  nan = np.isnan(ref) & ~np.asarray(may_be_nan)  # there a finite output is as right
   bad = np.argwhere(nan & ~np.isnan(o))
   assert not bad.size, f"{what}: NaN expected at {bad[:4].tolist()}, got {o[tuple(bad[0])]}"
   inf = np.isinf(ref)
