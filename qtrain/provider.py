@@ -154,6 +154,14 @@ def _listing(items: Sequence[str], limit: int = 6) -> str:
   return f"[{shown}]{more}"
 
 
+def _out_sharding_error(op: str, path: str, out_sharding) -> NotImplementedError:
+  """The one error of a quantized op called with ``out_sharding`` (dot_general and einsum)."""
+  return NotImplementedError(
+      f"qtrain: {op} in module {path!r} was called with out_sharding={out_sharding!r}; quantized "
+      "ops do not take out_sharding (shard the inputs instead, or keep this op float with a rule "
+      f"that matches it first: QtRule(module_path={path!r}))")
+
+
 class QtProvider:
   """Quantized-training provider: an ordered list of rules (first match wins).
 
@@ -411,10 +419,7 @@ class QtProvider:
     with self._naming(m, op_name, path):
       rule = m[1]
       if out_sharding is not None:
-        raise NotImplementedError(
-            f"qtrain: {op_name} in module {path!r} was called with out_sharding={out_sharding!r}; "
-            "quantized ops do not take out_sharding (shard the inputs instead, or keep this op "
-            f"float with a rule that matches it first: QtRule(module_path={path!r}))")
+        raise _out_sharding_error(op_name, path, out_sharding)
       dn = qdot.normalize_dimension_numbers(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
       if not rule.quantizes:  # an adapter on the float op
         self._rec(path, op_id, op_name, m, FLOAT_LORA, weight_operand, shapes,
@@ -476,11 +481,7 @@ class QtProvider:
       self._no_weight(path, op_id, "einsum", m, weight_operand, shapes)
       return fallback(subscripts, *operands, **kwargs)
     if kwargs.get("out_sharding") is not None:  # as dot_general: raise, never quietly float
-      raise NotImplementedError(
-          f"qtrain: einsum {subscripts!r} in module {path!r} was called with out_sharding="
-          f"{kwargs['out_sharding']!r}; quantized ops do not take out_sharding (shard the inputs "
-          f"instead, or keep this op float with a rule that matches it first: "
-          f"QtRule(module_path={path!r}))")
+      raise _out_sharding_error(f"einsum {subscripts!r}", path, kwargs["out_sharding"])
     plan = _einsum.parse(subscripts, *shapes) if len(operands) == 2 else None
     extra = {k: v for k, v in kwargs.items()
              if k not in ("precision", "preferred_element_type", "optimize", "_dot_general",
