@@ -8,6 +8,8 @@ computes with real low-precision arithmetic where it can:
   int8): ``int8 x int8 -> int32``, scales applied after; exact.
 * fp8 x fp8 (either kind, e4m3fn x e5m2 included): ``fp8 x fp8 -> float32``
   (each product exact in float32), scales applied after.
+* integer-like x fp8: both codes in float32 (each product exact), float32
+  accumulation at ``HIGHEST``, scales applied after.
 * group-wise (tiled) scales along a contracting axis: the axis is split into
   (groups, tile), groups become a batch axis of the dot, each group's partial
   sum is scaled, then the groups are summed.
@@ -273,14 +275,16 @@ def dot_general_quantized_xla(
     return jnp.zeros(output_shape(lhs.shape, rhs.shape, dn), out_dtype)
   if not (is_quantized(lhs) and is_quantized(rhs)):
     return _float_dot(lhs, rhs, dn, out_dtype, compute_dtype, precision)
-  if lhs.qtype.is_float != rhs.qtype.is_float:
-    return _float_dot(lhs, rhs, dn, out_dtype, compute_dtype, precision)
   plan = _scale_plan(lhs, rhs, dn)
   if plan == "float":
     return _float_dot(lhs, rhs, dn, out_dtype, compute_dtype, precision)
   (lc, rc), (lb, rb) = dn
   lfree, rfree = free_axes(lhs.ndim, lc, lb), free_axes(rhs.ndim, rc, rb)
-  acc_dtype = jnp.float32 if lhs.qtype.is_float else jnp.int32
+  # An integer x fp8 pair has no low-precision GEMM: its codes multiply in float32, where each
+  # product is exact (<= 8 + 4 significant bits), and the scales apply after, as for a pair of
+  # one kind (dequantizing first could overflow where the scaled product does not).
+  mixed = lhs.qtype.is_float != rhs.qtype.is_float
+  acc_dtype = jnp.float32 if lhs.qtype.is_float or rhs.qtype.is_float else jnp.int32
   ls, rs = lhs.scale, rhs.scale
   terms = _int_terms(lhs, rhs)
   grouped = plan is not None
@@ -315,7 +319,11 @@ def dot_general_quantized_xla(
   terms = [(sg, *_lax.optimization_barrier((a, b))) for sg, a, b in terms]
   acc = None
   for sg, a, b in terms:
-    t = _lax.dot_general(a, b, dn2, preferred_element_type=acc_dtype)
+    if mixed:
+      t = _lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dn2,
+                           precision=jax.lax.Precision.HIGHEST, preferred_element_type=acc_dtype)
+    else:
+      t = _lax.dot_general(a, b, dn2, preferred_element_type=acc_dtype)
     acc = t if acc is None else (acc + t if sg > 0 else acc - t)
   return scale_product(acc, ls_o, rs_o, grouped=grouped, out_dtype=out_dtype)
 

@@ -91,15 +91,16 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
   ``g * scale`` can overflow float32 where the product does not (a gradient
   of 1e25 times a scale of 1e20, against codes of 0): one Inf would make its
   whole gradient group NaN. So per batch index the scale is divided by
-  ``2**e``, the power of two that brings its largest value into [1, 2) (none
-  where it is below 2), but never so far that its smallest positive value
-  leaves float32's normal range (a flushed scale would drop its channel's
-  gradient however large ``g`` is); ``y'`` keeps ``2**e`` as its scale and the
-  product's epilogue multiplies it back. Powers of two are exact, so the
-  numbers are those of ``g * scale`` wherever that is finite; no pass over
-  ``g`` is added (the shift is computed on the scale alone). Only scales that
-  span more than 2**126 within one batch index can leave a product that
-  overflows.
+  ``2**e``, the power of two that brings its largest value into [0.5, 1)
+  (none where it is below 1): then ``|g * scale| <= |g|``, finite for every
+  finite ``g``. The shift stops where the smallest positive value would leave
+  float32's normal range (a flushed scale would drop its channel's gradient
+  however large ``g`` is) and at 2**127; ``y'`` keeps ``2**e`` as its scale
+  and the product's epilogue multiplies it back. Powers of two are exact, so
+  the numbers are those of ``g * scale`` wherever that is finite; no pass
+  over ``g`` is added (the shift is computed on the scale alone). Only scales
+  that span more than 2**126 within one batch index, or reach 2**127, can
+  leave a product that overflows.
   """
   (gc, yk), (gb, yb) = dims
   ys = y.scale
@@ -133,10 +134,11 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
 
 
 def _fold_exponent(t: jax.Array, group: tuple[int, ...]) -> jax.Array:
-  """The fold's shift ``e`` per group (int32 in [0, 127], keepdims): the exponent of the
-  group's largest finite value, lowered so that its smallest positive normal value divided by
-  ``2**e`` stays >= 2**-126 (at most 126 below its own exponent). Subnormal values count as
-  zero, as XLA's CPU and GPU compares see them (decided on the bits, so on every platform).
+  """The fold's shift ``e`` per group (int32 in [0, 127], keepdims): one above the exponent of
+  the group's largest finite value (which then divides into [0.5, 1)), lowered so that its
+  smallest positive normal value divided by ``2**e`` stays >= 2**-126 (at most 126 above that
+  value's own exponent). Subnormal values count as zero, as XLA's CPU and GPU compares see them
+  (decided on the bits, so on every platform).
 
   On the bits: a non-negative float32's int32 bits order as its value, and its biased exponent
   is ``bits >> 23``. Both ends come from integer reductions of the bits (max of the finite
@@ -151,8 +153,8 @@ def _fold_exponent(t: jax.Array, group: tuple[int, ...]) -> jax.Array:
   # these over a sharded axis, where it all-gathers the operands of a variadic reduce.
   top = jax.lax.reduce_max(hi, group)
   low = jax.lax.reduce_min(lo, group)
-  # Biased exponents: top's - 127 and low's - 127 + 126; t >= 0 only reaches here (scales).
-  e = jax.lax.min(jax.lax.shift_right_arithmetic(top, 23) - 127,
+  # Biased exponents: top's - 127 + 1 and low's - 127 + 126; t >= 0 only reaches here (scales).
+  e = jax.lax.min(jax.lax.shift_right_arithmetic(top, 23) - 126,
                   jax.lax.shift_right_arithmetic(low, 23) - 1)
   e = jax.lax.clamp(np.int32(0), e, np.int32(127))
   return e.reshape(e.shape + (1,) * len(group))

@@ -124,3 +124,35 @@ def test_under_jit_same_bits(out_dtype):
                              out_dtype=out_dtype)
   np.testing.assert_array_equal(np.asarray(f(acc, ls, rs), np.float32),
                                 np.asarray(eager, np.float32))
+
+
+@pytest.mark.parametrize("int_side", ["lhs", "rhs"])
+def test_integer_times_fp8_applies_scales_after_the_codes_product(int_side):
+  """int8 x fp8 has no low-precision GEMM; its codes multiply in float32 and the scales
+  apply after (as for a pair of one kind). Dequantizing first would overflow here: the int8
+  side's scale is 2**122 (the backward's gradient fold leaves such powers of two), so
+  127 * 2**122 is beyond float32 while every product with the 1e-30 fp8 side is ~1e8."""
+  import dataclasses
+  rng = np.random.default_rng(11)
+  a = rng.standard_normal((5, 48)).astype(np.float32)
+  b = (rng.standard_normal((48, 7)) * 1e-30).astype(np.float32)
+  iq = qarray.quantize(jnp.asarray(a), qarray.QuantizeSpec(qtype="int8", channelwise_axes=(0,)))
+  iq = dataclasses.replace(iq, scale=jnp.full(iq.scale.shape, 2.0 ** 122, jnp.float32))
+  fq = qarray.quantize(jnp.asarray(b), qarray.QuantizeSpec(qtype="float8_e4m3fn",
+                                                           channelwise_axes=(1,)))
+  assert not np.all(np.isfinite(np.asarray(iq.dequantize())))  # the case is what it says
+  codes = lambda q: np.asarray(q.qvalue, np.float64)
+  ref = (codes(iq) * np.asarray(iq.scale, np.float64)) @ (codes(fq) * np.asarray(fq.scale, np.float64))
+  if int_side == "lhs":
+    out = qdot.dot_general_quantized_xla(iq, fq, (((1,), (0,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+  else:
+    out = qdot.dot_general_quantized_xla(fq, iq, (((0,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32).T
+  out = np.asarray(out, np.float64)
+  assert np.all(np.isfinite(out)) and np.abs(ref).max() > 1e6
+  # Exact products, 48 float32 additions, two scale roundings.
+  k = 48
+  tol = (k * 2.0 ** -24 + 2 * TWO_ROUNDINGS) * (np.abs(codes(iq) * np.asarray(iq.scale, np.float64))
+                                                @ np.abs(codes(fq) * np.asarray(fq.scale, np.float64)))
+  assert np.all(np.abs(out - ref) <= tol), np.max(np.abs(out - ref) / tol)

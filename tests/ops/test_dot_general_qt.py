@@ -583,6 +583,50 @@ def test_gradient_fold_with_batch_axes_listed_out_of_order():
   assert np.all(np.abs(lbar - ref) <= budget), np.abs(lbar - ref).max() / budget
 
 
+
+@pytest.mark.parametrize("gq", ["int8", "float8_e4m3fn"])
+def test_gradient_fold_of_float32_max_gradients_stays_finite(gq):
+  """A gradient near float32's max times a channel scale above 1 overflows, though where that
+  channel's codes are 0 the product it feeds is finite. The fold divides the scale into
+  [0.5, 1), so ``|g * s| <= |g|`` stays finite (a shift into [1, 2) made an Inf there, and
+  the Inf turned its whole gradient group NaN). Expected: the float64 product where it is
+  finite, within the gradient's half step (int8: max |g s| / 254; e4m3: 2**-4 relative, and
+  2**-10 of the scale max |g s| / 448 for subnormal codes) times |q| summed over the
+  contraction, plus float32 rounding; an Inf of the right sign where it is
+  not."""
+  dn = (((1,), (0,)), ((), ()))
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((3, 16)).astype(np.float32))
+  w = rng.standard_normal((16, 4)).astype(np.float32)
+  w[:, 1] = 0.0
+  w[0, 1] = 190.0  # channel 1: scale 190 / 127 ~ 1.5, codes 0 on every row but k = 0
+  g = np.zeros((3, 4), np.float32)
+  g[0] = [1e35, -3.0e38, -1e35, 1e35]
+  g[1:] = rng.standard_normal((2, 4))
+  cfg = _cfg(None, OQ(qtype="int8"), dlhs=C.GradQuant(qtype=gq))
+  _, vjp = jax.vjp(lambda x, w: dot_general_qt(x, w, dn, cfg), x, jnp.asarray(w))
+  lbar = np.asarray(vjp(jnp.asarray(g))[0], np.float64)
+  wq = qarray.quantize(jnp.asarray(w), qarray.QuantizeSpec(qtype="int8", channelwise_axes=(1,)))
+  q, s = np.asarray(wq.qvalue, np.float64), np.asarray(wq.scale, np.float64).reshape(1, 4)
+  g64 = g.astype(np.float64)
+  f32_max = np.finfo(np.float32).max
+  # The case is what it says: g * s overflows float32 in row 0, channel 1 only.
+  assert np.argwhere(np.abs(g64 * s) > f32_max).tolist() == [[0, 1]], g64 * s
+  ref = g64 @ (q * s).T
+  finite = np.abs(ref) < f32_max
+  assert finite.sum() == 3 * 16 - 1 and not finite[0, 0], ref
+  gs = np.abs(g64 * s)
+  if gq == "int8":
+    step = gs.max(axis=1, keepdims=True) / 254 * np.abs(q).sum(axis=1)[None, :]
+  else:
+    # Half a step: 2**-4 relative for normal codes, 2**-10 times the scale for subnormal ones.
+    step = 2.0 ** -4 * (gs @ np.abs(q).T) + (gs.max(axis=1, keepdims=True) / 448 * 2.0 ** -10
+                                              * np.abs(q).sum(axis=1)[None, :])
+  budget = step + 1e-5 * (gs @ np.abs(q).T)
+  assert np.all(np.abs(lbar - ref)[finite] <= budget[finite]), (np.abs(lbar - ref) / budget)
+  assert np.isinf(lbar[0, 0]) and np.sign(lbar[0, 0]) == np.sign(ref[0, 0]), lbar[0, 0]
+
+
 # ----------------------------------------------------------------------------
 # Residuals are quantized.
 
@@ -1068,9 +1112,9 @@ def test_bad_dimension_numbers_raise_naming_the_axes(dn, ls, rs, msg):
 
 def test_fold_exponent_matches_its_definition_on_float32_edges():
   """dot_general_qt._fold_exponent reads both ends of each group from one integer reduction of
-  the float32 bits: compare with the definition (the exponent of the largest finite value,
-  capped 126 above the smallest positive normal one's, clipped to [0, 127]; subnormals count as
-  zero) on scales spanning subnormals to the float32 limit, with zeros, negatives, Inf and NaN
+  the float32 bits: compare with the definition (one above the exponent of the largest finite
+  value, capped 126 above the smallest positive normal one's, clipped to [0, 127]; subnormals
+  count as zero) on scales spanning subnormals to the float32 limit, with zeros, negatives, Inf and NaN
   in the groups."""
   rng = np.random.default_rng(3)
   tiny = np.finfo(np.float32).tiny
@@ -1092,5 +1136,5 @@ def test_fold_exponent_matches_its_definition_on_float32_edges():
     finite = np.isfinite(t)
     top = np.max(np.where(finite & (t > 0), t, 0), axis=1)
     low = np.min(np.where(finite & (t >= tiny), t, 1), axis=1)
-    want = np.clip(np.minimum(exponent(top), exponent(low) + 126), 0, 127)
+    want = np.clip(np.minimum(exponent(top) + 1, exponent(low) + 126), 0, 127)
     np.testing.assert_array_equal(got, want, err_msg=str(t))

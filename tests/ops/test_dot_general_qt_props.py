@@ -459,7 +459,7 @@ def backward_bound(case, g, x: Side, y: Side, gq, which: str):
         red_letters = "".join(ch for a, ch in enumerate(ys) if a not in y_contract)
         s_red = y.s_full[idx]
         # The documented shift: per batch index the scale over 2**e, its largest value
-        # brought into [1, 2) (none below 2), its smallest positive one kept >= 2**-126;
+        # brought into [0.5, 1) (none below 1), its smallest positive one kept >= 2**-126;
         # y' keeps 2**e.
         kept = [a for a in range(y.x.ndim) if a not in y_contract]
         free_pos = tuple(i for i, a in enumerate(kept) if a in yfree)
@@ -467,7 +467,7 @@ def backward_bound(case, g, x: Side, y: Side, gq, which: str):
         top = np.max(np.where(fin, s_red, 0.0), axis=free_pos, keepdims=True, initial=0.0)
         low = np.min(np.where(fin & (s_red > 0), s_red, 1.0), axis=free_pos, keepdims=True,
                      initial=1.0)
-        e = np.clip(np.minimum(np.frexp(top)[1] - 1, np.frexp(low)[1] + 125), 0, 127)
+        e = np.clip(np.minimum(np.frexp(top)[1], np.frexp(low)[1] + 125), 0, 127)
         s_red = s_red / 2.0 ** e
         other = "".join(ch for ch in g_letters if ch not in red_letters)
         other_shape = [g64.shape[g_letters.index(ch)] for ch in other]
