@@ -22,8 +22,8 @@ Public API: :class:`QtRule`, :class:`QtProvider`, :func:`quantize_model`,
 (bitorch-engine / larq / XNOR / MPQ presets), :mod:`qtrain.qlayers`,
 :mod:`qtrain.optim` (optax transforms: latent clipping, Bop, stochastic
 low-bit weight storage), :mod:`qtrain.freeze` (packed export and inference),
-:mod:`qtrain.qwix` (qwix's QT API:
-rules, provider, ``get_unused_rules``), :mod:`qtrain.ops` (the QT ops ``dot_general_qt`` / ``conv_general_qt`` and
+:mod:`qtrain.qwix` (qwix's QT and PTQ API:
+rules, providers, ``get_unused_rules``, ``quantize_params``), :mod:`qtrain.ops` (the QT ops ``dot_general_qt`` / ``conv_general_qt`` and
 their configs), :mod:`qtrain.core` (qtypes, QArray, calibration, rounding,
 packing) and :mod:`qtrain.kernels` (the Pallas GPU kernels). Everything else
 stays reachable through its module (e.g. :class:`qtrain.provider.OpRecord`).

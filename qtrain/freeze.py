@@ -253,8 +253,14 @@ def _freeze_layers(variables, rules) -> dict:
 # Freezing ops from the provider's records (linen and nnx).
 
 
-def _from_record(rec, provider, module_params: Mapping, state: Mapping, where: str) -> FrozenLayer:
-  """The FrozenLayer of one op the provider recorded as quantized."""
+def _from_record(rec, provider, module_params: Mapping, state: Mapping, where: str, *,
+                 static: str = "count") -> FrozenLayer:
+  """The FrozenLayer of one op the provider recorded as quantized.
+
+  ``static``: how a static input scale is read: ``"count"``, as calibrated where its count is
+  positive (else one scale per batch, as the QT op does); ``"given"``, as calibrated whatever
+  the count says (a template built under tracing, where the count is not known).
+  """
   if rec.contraction is None:
     raise ValueError(f"freeze: the record of {where!r} says nothing of its contraction (recorded "
                      "by an older qtrain?): run the quantized model once again")
@@ -280,7 +286,8 @@ def _from_record(rec, provider, module_params: Mapping, state: Mapping, where: s
       scale_kind, scale_a = "given", need("act_scale", "a learned input scale")
     elif rule.act_static_scale:
       s = need("act_static_scale", "a static input scale")
-      if float(need("act_static_count", "a static input scale")) > 0:
+      count = need("act_static_count", "a static input scale")
+      if static == "given" or float(count) > 0:
         scale_kind, scale_a = "given", s
       else:  # never calibrated: the QT op calibrates one scale per batch, as here
         scale_kind = "batch"
@@ -341,7 +348,7 @@ def _layer_path(key: str, layer: FrozenLayer) -> str:
   return key[:-len(suffix)] if layer.op_id and key.endswith(suffix) else key
 
 
-def _freeze_records(variables, provider) -> dict:
+def _freeze_records(variables, provider, *, static: str = "count") -> dict:
 
   recs = [r for r in _records(provider) if r.status == provider_lib.QUANTIZED]
   recs.sort(key=lambda r: (r.path, r.op_id))
@@ -359,7 +366,7 @@ def _freeze_records(variables, provider) -> dict:
     state = {n: flax_meta.unbox(mod.get(f"{r.op_id}_{n}")) for n in ("act_scale", "act_shift")}
     state.update({n: mod_stats.get(f"{r.op_id}_{n}") for n in ("act_static_scale",
                                                                "act_static_count")})
-    layer = _from_record(r, provider, mod, state, where)
+    layer = _from_record(r, provider, mod, state, where, static=static)
     layers[_layer_key(r.path, r.op_id, counts)] = layer
     drop_params.add(split + (layer.param,))
     drop_params.update(split + (f"{r.op_id}_{n}",) for n in ("act_scale", "act_shift")

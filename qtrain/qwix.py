@@ -1,4 +1,5 @@
-"""qwix's quantized-training API on qtrain: a qwix QT script runs with one changed import.
+"""qwix's quantized-training and PTQ API on qtrain: a qwix QT or PTQ script runs with one
+changed import.
 
 ::
 
@@ -13,6 +14,10 @@ stochastic-rounding keys from qwix's RNG stream (``"stochastic_rounding"``) and 
 :func:`to_qtrain_rule`; what qtrain cannot honour raises there, naming the field. Where qtrain
 deliberately differs (it raises where qwix leaves an op float, its activation static scale is
 one per tensor, ...) ``docs/migration-from-qwix.md`` lists it.
+
+PTQ (:class:`PtqProvider`, :func:`quantize_params`) freezes each quantized op's weight with
+:mod:`qtrain.freeze`: the QT op's own codes of the same weights, stored packed, run on the
+packed GPU kernels.
 
 Example:
   >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -35,14 +40,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Collection, Mapping, Sequence
 
+import jax
 from flax import nnx
 
+from qtrain import freeze as freeze_lib
 from qtrain import provider as provider_lib
 from qtrain import rules as rules_lib
+from qtrain import _frozen
+from qtrain._frozen import FrozenLayer
 from qtrain.flax import model as model_lib
 
-__all__ = ["QuantizationRule", "QtRule", "QtProvider", "quantize_model", "to_qtrain_rule",
-           "RNG_STREAM"]
+__all__ = ["QuantizationRule", "QtRule", "QtProvider", "PtqProvider", "PtqModel",
+           "quantize_model", "quantize_params", "to_qtrain_rule", "RNG_STREAM", "FROZEN_KEY"]
 
 RNG_STREAM = "stochastic_rounding"  # qwix's stream for stochastic-rounding keys
 
@@ -187,13 +196,205 @@ class QtProvider(provider_lib.QtProvider):
     return [self.qwix_rules[i] for i, _ in self.unused_rules()]
 
 
-def quantize_model(model, provider: provider_lib.QtProvider, *model_inputs: Any, **kwargs: Any):
-  """qwix's ``quantize_model``: linen as :func:`qtrain.quantize_model`; an nnx model is copied
-  first (``nnx.clone``), so the model passed in stays float, as in qwix.
+# ----------------------------------------------------------------------------
+# PTQ: weights quantized once for serving, on qtrain.freeze.
 
-  nnx: ``model_inputs`` are the sample batch of the one eager forward, and stochastic-rounding
-  keys come from ``rngs=nnx.Rngs(stochastic_rounding=seed)`` (qwix's ``qwix_rngs`` attribute
-  is not read). qwix's ``call_method`` (other than ``"__call__"``) and ``skip_nnx_init`` raise.
+FROZEN_KEY = "qtrain_frozen"  # where a PTQ params tree keeps its frozen layers
+
+
+class PtqProvider:
+  """qwix's ``PtqProvider``: weights quantized once, inputs quantized per call, as the rules say.
+
+  Built on :mod:`qtrain.freeze`: each quantized op's weight is stored packed with its scales
+  (the codes the QT op computes from the same weight, so a PTQ model predicts what the QT
+  model's forward predicts) and runs through qtrain's packed kernels on a GPU
+  (``implementation``, see :func:`qtrain.freeze.apply_frozen`).
+
+  Args:
+    rules: qwix rules, as for :class:`QtProvider` (the backward's fields are not used).
+    implementation: the frozen products' implementation (``"auto"``, ``"xla"``, ``"triton"``,
+      ``"interpret"``, ``"mosaic"``).
+  """
+
+  def __init__(self, rules: Sequence[QuantizationRule], *, implementation: str = "auto"):
+    self.qt = QtProvider(rules)
+    self.implementation = _frozen.check_implementation(implementation)
+
+  @property
+  def rules(self) -> tuple[rules_lib.QtRule, ...]:
+    return tuple(self.qt.rules)
+
+  def __repr__(self):
+    return (f"qtrain.qwix.PtqProvider({len(self.rules)} rules, "
+            f"implementation={self.implementation!r})")
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class _FrozenLayers:
+  """A PTQ params tree's frozen layers; the provider that froze them rides along as static
+  data, so that :func:`quantize_params` can rebuild them from an abstract tree alone."""
+
+  def __init__(self, layers: Mapping[str, FrozenLayer], provider: PtqProvider):
+    self.layers = dict(layers)
+    self.provider = provider
+
+  def tree_flatten_with_keys(self):
+    keys = sorted(self.layers)
+    return [(jax.tree_util.DictKey(k), self.layers[k]) for k in keys], (tuple(keys), self.provider)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    keys, provider = aux
+    return cls(dict(zip(keys, children)), provider)
+
+  def __repr__(self):
+    return f"FrozenLayers({sorted(self.layers)})"
+
+
+class PtqModel:
+  """A linen model served from quantized weights (:func:`quantize_model` with a
+  :class:`PtqProvider`): ``init`` and ``apply`` as a linen module's.
+
+  ``init`` returns the variables with every quantized op's weight frozen: ``params`` holds the
+  float parameters left (biases, norms, float layers) and, under :data:`FROZEN_KEY`, the frozen
+  layers; ``jax.eval_shape(ptq_model.init, key, x)`` gives the template that
+  :func:`quantize_params` fills from trained float parameters. A rule's static activation
+  scale is a calibrated one here (pass the QT model's ``quant_stats`` to
+  :func:`quantize_params`).
+  """
+
+  def __init__(self, model, provider: PtqProvider):
+    self.model = model
+    self.provider = provider
+
+  def __repr__(self):
+    return f"PtqModel({type(self.model).__name__}, {self.provider!r})"
+
+  def init(self, rngs, *args, method=None, **kwargs) -> dict:
+    qt_model = model_lib.quantize_model(self.model, self.provider.qt)
+    variables = qt_model.init(rngs, *args, method=method, **kwargs)
+    return _ptq_variables(freeze_lib._freeze_records(dict(variables), self.provider.qt,
+                                                     static="given"), self.provider)
+
+  def apply(self, variables: Mapping, *args, method=None, **kwargs):
+    return freeze_lib.apply_frozen(self.model, _frozen_of(variables), *args,
+                                   implementation=self.provider.implementation, method=method,
+                                   **kwargs)
+
+
+def _ptq_variables(frozen: Mapping, provider: PtqProvider) -> dict:
+  """freeze's ``{"layers", "variables"}`` as PTQ variables: the layers inside ``params``."""
+  out = dict(frozen["variables"])
+  out["params"] = {**out.get("params", {}), FROZEN_KEY: _FrozenLayers(frozen["layers"], provider)}
+  return out
+
+
+def _frozen_of(variables: Mapping) -> dict:
+  params = variables.get("params") if isinstance(variables, Mapping) else None
+  if not isinstance(params, Mapping) or not isinstance(params.get(FROZEN_KEY), _FrozenLayers):
+    raise ValueError(f"expected PTQ variables ({{'params': ...}} with the frozen layers under "
+                     f"{FROZEN_KEY!r}: PtqModel.init's or quantize_params' output), got "
+                     f"{type(variables).__name__} with keys "
+                     f"{sorted(variables) if isinstance(variables, Mapping) else None}")
+  rest = {k: v for k, v in params.items() if k != FROZEN_KEY}
+  return {"layers": params[FROZEN_KEY].layers, "variables": {**variables, "params": rest}}
+
+
+def quantize_params(params: Mapping, abstract_quantized_params, quant_stats: Mapping | None = None):
+  """qwix's ``quantize_params`` (linen): trained float ``params`` -> PTQ params.
+
+  Args:
+    params: the float (or QT-trained) model's ``params``.
+    abstract_quantized_params: the template, ``jax.eval_shape(ptq_model.init, key, x)["params"]``
+      (or ``ptq_model.init``'s own ``params``).
+    quant_stats: the QT model's ``quant_stats``; needed where a rule keeps a static
+      activation scale (it must have been calibrated: a QT forward in training mode).
+
+  Returns:
+    PTQ params, the template's structure, for ``ptq_model.apply({"params": ...}, x)``.
+
+  Raises:
+    ValueError: the template is not a PTQ template (nnx: freeze the trained model with
+      :func:`quantize_model` instead), a static scale that was never calibrated, a tree that
+      does not match the template (naming the first difference).
+  """
+  if isinstance(abstract_quantized_params, nnx.Module):
+    raise ValueError("quantize_params(params, nnx model): qtrain freezes an nnx model from its "
+                     "own weights: quantize_model(trained_model, PtqProvider(rules), x) (the "
+                     "trained float or QT model; qwix's documented alternative)")
+  node = (abstract_quantized_params.get(FROZEN_KEY)
+          if isinstance(abstract_quantized_params, Mapping) else None)
+  if not isinstance(node, _FrozenLayers):
+    raise ValueError(f"quantize_params: the template holds no frozen layers under {FROZEN_KEY!r}: "
+                     "pass jax.eval_shape(ptq_model.init, key, x)['params'] of a model from "
+                     "qtrain.qwix.quantize_model(model, PtqProvider(rules))")
+  provider = node.provider
+  variables = {"params": dict(params)}
+  if quant_stats is not None:
+    variables["quant_stats"] = quant_stats
+  frozen = freeze_lib._freeze_records(variables, provider.qt, static="count")
+  for key, layer in frozen["layers"].items():
+    want = node.layers.get(key)
+    if want is not None and want.act_dict and want.act_dict.get("scale") == "given" and (
+        layer.act_dict.get("scale") == "batch"):
+      raise ValueError(f"quantize_params: layer {key!r} keeps a static input scale, but "
+                       "quant_stats says it was never calibrated (count 0): run the QT model in "
+                       "training mode on data first, and pass its quant_stats")
+  out = _ptq_variables(frozen, provider)["params"]
+  got_tree, want_tree = jax.tree.structure(out), jax.tree.structure(abstract_quantized_params)
+  if got_tree != want_tree:
+    got = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(out)}
+    want = {jax.tree_util.keystr(p)
+            for p, _ in jax.tree_util.tree_leaves_with_path(abstract_quantized_params)}
+    raise ValueError("quantize_params: params do not match the template: "
+                     f"missing {sorted(want - got)[:4]}, unexpected {sorted(got - want)[:4]}")
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(out),
+                          jax.tree.leaves(abstract_quantized_params)):
+    if a.shape != b.shape or a.dtype != b.dtype:
+      raise ValueError(f"quantize_params: {jax.tree_util.keystr(path)} is {a.dtype}{a.shape}, "
+                       f"the template's {b.dtype}{b.shape}")
+  return out
+
+
+def _ptq_nnx(model, provider: PtqProvider, model_inputs, kwargs):
+  hooks = freeze_lib._nnx_hooks(model, model_lib.QtOp)
+  if hooks:  # a QT model (qtrain's): freeze it as it is, if its rules are these
+    for _, _, _, op in hooks:
+      if tuple(op.provider.rules) != provider.rules:
+        raise ValueError(f"quantize_model(qt_model, PtqProvider): the op of {op.path!r} was "
+                         "quantized with other rules than the PtqProvider's; pass the rules the "
+                         "model was trained with")
+    if model_inputs or kwargs:
+      model(*model_inputs, **kwargs)  # records ops that have not run yet
+    frozen = freeze_lib.freeze(model)
+  else:
+    if not model_inputs and not kwargs:
+      raise ValueError("quantize_model(nnx model, PtqProvider(rules)): pass a sample batch "
+                       "(quantize_model(model, provider, x)): the ops must run once to be frozen")
+    qt_model = model_lib.quantize_model(nnx.clone(model), provider.qt, *model_inputs, **kwargs)
+    frozen = freeze_lib.freeze(qt_model)
+  for _, _, _, op in freeze_lib._nnx_hooks(frozen, freeze_lib.FrozenOp):
+    op.implementation = provider.implementation
+  return frozen
+
+
+def quantize_model(model, provider: provider_lib.QtProvider | PtqProvider, *model_inputs: Any,
+                   **kwargs: Any):
+  """qwix's ``quantize_model``.
+
+  With a :class:`QtProvider`: linen as :func:`qtrain.quantize_model`; an nnx model is copied
+  first (``nnx.clone``), so the model passed in stays float, as in qwix. nnx:
+  ``model_inputs`` are the sample batch of the one eager forward, and stochastic-rounding keys
+  come from ``rngs=nnx.Rngs(stochastic_rounding=seed)`` (qwix's ``qwix_rngs`` attribute is not
+  read).
+
+  With a :class:`PtqProvider`: linen: a :class:`PtqModel`; nnx: a new model whose quantized
+  ops run on frozen weights (:func:`qtrain.freeze.freeze`), from a float model (quantized and
+  run once on ``model_inputs``, which also calibrate static scales) or from a model quantized
+  by :func:`quantize_model` with a :class:`QtProvider` of the same rules (its trained state
+  carried over). The model passed in is left as it is.
+
+  qwix's ``call_method`` (other than ``"__call__"``) and ``skip_nnx_init`` raise.
   """
   call_method = kwargs.pop("call_method", "__call__")
   if call_method != "__call__":
@@ -202,6 +403,13 @@ def quantize_model(model, provider: provider_lib.QtProvider, *model_inputs: Any,
   if "skip_nnx_init" in kwargs:
     raise ValueError("skip_nnx_init: qtrain's nnx quantize_model runs the sample batch only when "
                      "one is given; pass no model inputs instead")
+  if isinstance(provider, PtqProvider):
+    if isinstance(model, nnx.Module):
+      return _ptq_nnx(model, provider, model_inputs, kwargs)
+    if model_inputs or kwargs:
+      raise ValueError("quantize_model(linen model, PtqProvider): a linen model takes no sample "
+                       "inputs here; pass them to ptq_model.init")
+    return PtqModel(model, provider)
   if isinstance(model, nnx.Module):
     model = nnx.clone(model)
   return model_lib.quantize_model(model, provider, *model_inputs, **kwargs)

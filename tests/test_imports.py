@@ -7,9 +7,9 @@ Layers, lowest first (a module may import its own layer and the ones below):
   ops      the QT ops, their configs and the backend dispatch
   api      rules, the binary presets, the provider, optax transforms
   flax     the linen / nnx adapters and the interception
-  layers   qlayers (modules built on the ops and the presets), qwix (qwix's API over the
-           provider and quantize_model)
+  layers   qlayers (modules built on the ops and the presets)
   export   freeze and the frozen layers
+  compat   qwix (qwix's QT and PTQ API over the provider, quantize_model and freeze)
   package  qtrain/__init__.py
 
 No module imports qtrain inside a function (a lazy import hides a cycle or an
@@ -24,7 +24,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "qtrain"
-LAYERS = ("core", "kernels", "ops", "api", "flax", "layers", "export", "package")
+LAYERS = ("core", "kernels", "ops", "api", "flax", "layers", "export", "compat", "package")
 API = {"qtrain.rules", "qtrain.binary", "qtrain.provider", "qtrain.optim", "qtrain._einsum"}
 
 
@@ -48,8 +48,10 @@ def layer(mod: str) -> str:
       return pkg
   if mod in API:
     return "api"
-  if mod in ("qtrain.qlayers", "qtrain.qwix"):
+  if mod == "qtrain.qlayers":
     return "layers"
+  if mod == "qtrain.qwix":
+    return "compat"
   if mod in ("qtrain.freeze", "qtrain._frozen", "qtrain.lora"):
     return "export"
   raise AssertionError(f"{mod}: no layer assigned; add it to tests/test_imports.py")

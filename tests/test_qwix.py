@@ -5,6 +5,7 @@ where qwix's documentation says what a field means."""
 from __future__ import annotations
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 import qtrain
 from qtrain import qwix
 from qtrain.core import qarray
+from qtrain.flax import model as model_lib
 
 
 class _Net(nn.Module):
@@ -182,3 +184,136 @@ def test_nnx_set_attributes_disable_quant_stats_update_freezes_static_scales():
   model.set_attributes(disable_quant_stats_update=False)
   model(5 * x)
   assert any(not np.array_equal(u, v) for u, v in zip(before, stats(), strict=True))
+
+
+# ----------------------------------------------------------------------------
+# PTQ.
+
+
+class _Mlp(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4, name="out")(nn.relu(nn.Dense(32, name="hidden")(x)))
+
+
+def _trained_qt(rules, x, steps=3):
+  """A QT model trained a few SGD steps (its static scales calibrated along the way)."""
+  qt = qwix.quantize_model(_Mlp(), qwix.QtProvider(rules))
+  v = qt.init(jax.random.key(1), x)
+  y = jnp.sin(x[:, :4])
+
+  @jax.jit
+  def step(v):
+    def loss(p):
+      out, upd = qt.apply({**v, "params": p}, x, mutable=["quant_stats"])
+      return ((out - y) ** 2).mean(), upd
+    g, upd = jax.grad(loss, has_aux=True)(v["params"])
+    return {**v, **upd, "params": jax.tree.map(lambda p, g: p - 0.1 * g, v["params"], g)}
+
+  for _ in range(steps):
+    v = step(v)
+  return qt, v
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_linen_ptq_from_a_qt_model_predicts_what_its_forward_does(static):
+  """qwix's PTQ flow: template from eval_shape(ptq_model.init), quantize_params(QT params,
+  template, quant_stats), ptq_model.apply: the QT model's forward, bit for bit op by op on the
+  XLA path (the frozen codes are the QT op's codes of the same weights); the quantized weights
+  are stored packed, no float kernel is left."""
+  rules = [qwix.QuantizationRule(module_path=".*", weight_qtype="int4", act_qtype="int8",
+                                 act_static_scale=static)]
+  x = jax.random.normal(jax.random.key(0), (8, 16), jnp.float32)
+  qt, v = _trained_qt(rules, x)
+  ptq = qwix.quantize_model(_Mlp(), qwix.PtqProvider(rules, implementation="xla"))
+  abstract = jax.eval_shape(ptq.init, jax.random.key(0), x)
+  params = qwix.quantize_params(v["params"], abstract["params"],
+                                v.get("quant_stats") if static else None)
+  assert jax.tree.structure(params) == jax.tree.structure(abstract["params"])
+  assert "kernel" not in params["hidden"] and "kernel" not in params["out"]
+  layers = params[qwix.FROZEN_KEY].layers
+  assert sorted(layers) == ["hidden", "out"] and layers["hidden"].words.dtype == jnp.uint32
+  assert layers["hidden"].words.size * 4 == 16 * 32 // 2  # int4: two codes a byte
+  want = np.asarray(qt.apply(v, x))
+  np.testing.assert_array_equal(np.asarray(ptq.apply({"params": params}, x)), want)
+  assert not np.array_equal(want, np.asarray(_Mlp().apply({"params": v["params"]}, x)))
+
+
+def test_linen_ptq_init_is_usable_and_quantize_params_takes_float_params():
+  """PtqModel.init's own variables run; quantize_params of the float model's params equals
+  them (the same weights, frozen once)."""
+  rules = [qwix.QuantizationRule(module_path="hidden", weight_qtype="int8", act_qtype="int8")]
+  x = jax.random.normal(jax.random.key(0), (4, 16), jnp.float32)
+  ptq = qwix.quantize_model(_Mlp(), qwix.PtqProvider(rules))
+  v = ptq.init(jax.random.key(3), x)
+  assert "kernel" in v["params"]["out"]  # the rule left it float: its kernel stays
+  fp = _Mlp().init(jax.random.key(3), x)["params"]
+  params = qwix.quantize_params(fp, jax.eval_shape(ptq.init, jax.random.key(3), x)["params"])
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(v["params"]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(np.asarray(ptq.apply({"params": params}, x)),
+                                np.asarray(ptq.apply(v, x)))
+
+
+def test_linen_ptq_errors_name_what_is_wrong():
+  rules = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8", act_qtype="int8",
+                                 act_static_scale=True)]
+  x = jax.random.normal(jax.random.key(0), (4, 16), jnp.float32)
+  qt = qwix.quantize_model(_Mlp(), qwix.QtProvider(rules))
+  v = qt.init(jax.random.key(1), x)  # static scales never calibrated (count 0)
+  ptq = qwix.quantize_model(_Mlp(), qwix.PtqProvider(rules))
+  abstract = jax.eval_shape(ptq.init, jax.random.key(0), x)["params"]
+  with pytest.raises(ValueError, match="'hidden' keeps a static input scale.*never calibrated"):
+    qwix.quantize_params(v["params"], abstract, v["quant_stats"])
+  with pytest.raises(ValueError, match="quant_stats"):
+    qwix.quantize_params(v["params"], abstract)
+  with pytest.raises(ValueError, match="no frozen layers under 'qtrain_frozen'"):
+    qwix.quantize_params(v["params"], v["params"])
+  other = qwix.quantize_model(nn.Dense(4, name="out"), qwix.QtProvider(rules))
+  with pytest.raises(ValueError, match="'hidden .*'.*hold no params"):
+    qwix.quantize_params(other.init(jax.random.key(0), x)["params"], abstract)
+  narrow = qwix.quantize_model(_Mlp(), qwix.QtProvider(rules)).init(jax.random.key(0), x[:, :8])
+  with pytest.raises(ValueError, match=r"'hidden .*'.*weight's shape \(16, 32\).*\(8, 32\)"):
+    qwix.quantize_params(narrow["params"], abstract)
+  extra = {**v["params"], "head": {"kernel": jnp.ones((4, 2))}}
+  with pytest.raises(ValueError, match=r"do not match the template.*unexpected.*'head'"):
+    qwix.quantize_params(extra, abstract, jax.tree.map(jnp.ones_like, v["quant_stats"]))
+  with pytest.raises(ValueError, match="PTQ variables"):
+    ptq.apply(v, x)
+  with pytest.raises(ValueError, match="sample inputs here"):
+    qwix.quantize_model(_Mlp(), qwix.PtqProvider(rules), x)
+  with pytest.raises(ValueError, match="implementation"):
+    qwix.PtqProvider(rules, implementation="cuda")
+
+
+class _NnxMlp(nnx.Module):
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(16, 32, rngs=rngs)
+    self.out = nnx.Linear(32, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(nnx.relu(self.hidden(x)))
+
+
+def test_nnx_ptq_from_qt_and_float_models_predicts_what_the_qt_forward_does():
+  """nnx: quantize_model(qt_model, PtqProvider(rules), x) freezes the trained QT model (a new
+  model; the QT model is left as it is); from a float model it quantizes a copy and runs it
+  once. Both predict the QT forward's numbers on the XLA path."""
+  rules = [qwix.QuantizationRule(module_path=".*", weight_qtype="int4", act_qtype="int8")]
+  x = jax.random.normal(jax.random.key(0), (8, 16), jnp.float32)
+  fm = _NnxMlp(nnx.Rngs(0))
+  qm = qwix.quantize_model(fm, qwix.QtProvider(rules), x)
+  want = np.asarray(qm(x))
+  ptq = qwix.quantize_model(qm, qwix.PtqProvider(rules, implementation="xla"), x)
+  np.testing.assert_array_equal(np.asarray(ptq(x)), want)
+  assert isinstance(qm.hidden.dot_general, model_lib.QtOp)  # the QT model is unchanged
+  ptq2 = qwix.quantize_model(fm, qwix.PtqProvider(rules, implementation="xla"), x)
+  np.testing.assert_array_equal(np.asarray(ptq2(x)), want)
+  assert not isinstance(fm.hidden.dot_general, model_lib.QtOp)  # nor the float one
+  with pytest.raises(ValueError, match="pass a sample batch"):
+    qwix.quantize_model(fm, qwix.PtqProvider(rules))
+  other = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8", act_qtype="int8")]
+  with pytest.raises(ValueError, match="other rules"):
+    qwix.quantize_model(qm, qwix.PtqProvider(other), x)
+  with pytest.raises(ValueError, match="nnx"):
+    qwix.quantize_params({}, ptq)
