@@ -317,3 +317,30 @@ def test_nnx_ptq_from_qt_and_float_models_predicts_what_the_qt_forward_does():
     qwix.quantize_model(qm, qwix.PtqProvider(other), x)
   with pytest.raises(ValueError, match="nnx"):
     qwix.quantize_params({}, ptq)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_qtype", ["int4", "int8"])
+@pytest.mark.parametrize("implementation", ["auto", "triton"])
+def test_ptq_on_the_packed_kernels_predicts_the_qt_forward_gpu(weight_qtype, implementation):
+  """PTQ on a GPU: 8 rows (decoding), the frozen weights through the packed Triton kernels
+  ("auto" picks them at <= 16 rows). With int8 activations both sides accumulate integers
+  exactly; what remains is float32 rounding of the scaled sums, bounded by
+  K * eps * (|x_hat| . |w_hat|) per output."""
+  rules = [qwix.QuantizationRule(module_path=".*", weight_qtype=weight_qtype, act_qtype="int8")]
+  k, n = 512, 256
+  model = nn.Dense(n)
+  x = jax.random.normal(jax.random.key(0), (8, k), jnp.float32)
+  qt = qwix.quantize_model(model, qwix.QtProvider(rules))
+  v = qt.init(jax.random.key(1), x)
+  ref = np.asarray(qt.apply(v, x), np.float64)
+  ptq = qwix.quantize_model(model, qwix.PtqProvider(rules, implementation=implementation))
+  params = qwix.quantize_params(v["params"], jax.eval_shape(ptq.init, jax.random.key(0), x)["params"])
+  out = np.asarray(jax.jit(ptq.apply)({"params": params}, x), np.float64)
+  (layer,) = params[qwix.FROZEN_KEY].layers.values()
+  w = np.abs(np.asarray(layer.weight_codes(), np.float64) * np.asarray(layer.w_scale, np.float64)[:, None])
+  xq = qarray.quantize(x, qarray.QuantizeSpec(qtype="int8", channelwise_axes=(0,)))
+  xh = np.abs(np.asarray(xq.dequantize(), np.float64))
+  bound = k * np.finfo(np.float32).eps * (xh @ w.T) + np.finfo(np.float32).eps * np.abs(ref)
+  assert out.shape == ref.shape == (8, n)
+  assert np.all(np.abs(out - ref) <= bound), float(np.max(np.abs(out - ref) / bound))
