@@ -67,6 +67,7 @@ FLOAT_RULE = "float: rule sets no qtype"
 FLOAT_NO_WEIGHT = "float: no weight operand"
 FLOAT_UNSUPPORTED = "float: unsupported form"
 FLOAT_LORA = "float + LoRA"
+FLOAT_NO_QUANTIZED_FORM = "float: qtrain has no quantized form of this op"
 
 
 class Host(Protocol):

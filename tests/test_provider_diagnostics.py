@@ -213,3 +213,45 @@ class TestScanQuantStats:
     qm = qtrain.quantize_model(ScanNet(variable_axes=(("params", 0), ("quant_stats", 0))), p)
     v = qm.init(jax.random.key(0), X)
     assert v["quant_stats"]["blocks"]["mlp"]["dot_general0_act_static_scale"].shape == (3,)
+
+
+class _Moe(nn.Module):
+  """A mixture-of-experts layer: rows grouped by expert, one weight per expert."""
+
+  @nn.compact
+  def __call__(self, x, group_sizes):
+    w = self.param("experts", nn.initializers.normal(1.0), (3, x.shape[-1], 5))
+    return jax.lax.ragged_dot(x, w, group_sizes)
+
+
+def test_ragged_dot_stays_float_but_never_silently():
+  """qtrain has no quantized ragged_dot: under a rule that would quantize it the op runs in
+  float (the same numbers as the float model), is recorded for the summary, and warns, naming
+  the module and the rule; a rule restricted to other ops leaves it float without that
+  warning."""
+  x = jax.random.normal(jax.random.key(0), (7, 4))
+  sizes = jnp.array([2, 0, 5], jnp.int32)
+  params = _Moe().init(jax.random.key(1), x, sizes)
+  want = _Moe().apply(params, x, sizes)
+  provider = qtrain.QtProvider([qtrain.QtRule(module_path=".*", weight_qtype="int8")])
+  qmodel = qtrain.quantize_model(_Moe(), provider)
+  with warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    got = qmodel.apply(params, x, sizes)
+  assert bool(jnp.all(got == want))
+  msgs = _qwarnings(rec)
+  assert any("ragged_dot in module ''" in m and "rules[0]" in m and "no quantized form" in m
+             for m in msgs), msgs
+  (r,) = [r for r in provider.records() if r.op_name == "ragged_dot"]
+  assert r.status == "float: qtrain has no quantized form of this op" and r.rule_index == 0
+  assert "ragged_dot" in qtrain.summary(provider)
+  quiet = qtrain.QtProvider([qtrain.QtRule(module_path=".*", weight_qtype="int8",
+                                           op_names=("dot_general", "einsum"))])
+  with warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    got = qtrain.quantize_model(_Moe(), quiet).apply(params, x, sizes)
+  assert bool(jnp.all(got == want))
+  # (The rule quantizes nothing in this model: only the unused-rule warning names the op.)
+  assert [m for m in _qwarnings(rec) if "ragged_dot" in m] == [
+      "qtrain: rules[0] (module_path='.*', w=int8 a=None g=None) matched no op; "
+      "op_names=('dot_general', 'einsum') excludes [' (ragged_dot)']"], _qwarnings(rec)

@@ -4,9 +4,11 @@ linen layers look ``jax.lax.dot_general``, ``jax.lax.conv_general_dilated``
 and ``jax.numpy.einsum`` up at call time, so a quantized linen model's call
 (see :class:`qtrain.flax.model.QtLinenModel`) does three things for its duration:
 
-1. installs *dispatchers* in place of those three public names (reference
-   counted: installed when the first quantized call in the process starts,
-   the originals put back when the last one ends);
+1. installs *dispatchers* in place of those three public names, and of
+   ``jax.lax.ragged_dot`` / ``ragged_dot_general`` (which have no quantized
+   form: they run in float, recorded, with a warning where a rule would
+   quantize them) (reference counted: installed when the first quantized call
+   in the process starts, the originals put back when the last one ends);
 2. registers a ``flax.linen.intercept_methods`` interceptor (thread-local in
    Flax) that pushes a *frame* — the running module, the provider, and the
    JAX trace state at the moment the module's method was entered — on a
@@ -45,6 +47,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from qtrain import provider as provider_lib
 from qtrain.flax import hosts
 
 try:  # public since jax 0.4.36; used by flax.nnx too.
@@ -120,7 +123,8 @@ _install_lock = threading.Lock()
 _install_count = 0
 _originals: dict[str, Any] = {}
 _TARGETS = (("jax.lax", jax.lax, "dot_general"), ("jax.lax", jax.lax, "conv_general_dilated"),
-            ("jax.numpy", jnp, "einsum"))
+            ("jax.numpy", jnp, "einsum"), ("jax.lax", jax.lax, "ragged_dot"),
+            ("jax.lax", jax.lax, "ragged_dot_general"))
 
 
 def original(name: str):
@@ -212,13 +216,31 @@ def _dispatch_conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dil
         out_sharding=kwargs.pop("out_sharding", None))
 
 
-for _fn, _name in ((_dispatch_dot_general, "dot_general"), (_dispatch_einsum, "einsum"),
-                   (_dispatch_conv, "conv_general_dilated")):
-  _fn.__qtrain_dispatcher__ = _name  # type: ignore[attr-defined]
-  _fn.__wrapped__ = original(_name)  # type: ignore[attr-defined]
+def _ragged(name: str):
+  """A dispatcher for ``jax.lax.<name>`` (the grouped products of mixture-of-experts layers):
+  qtrain has no quantized form of it, so the call runs in float, and the op is recorded (the
+  summary lists it) with a warning where a quantizing rule matches it: never float silently."""
+
+  def dispatch(lhs, rhs, group_sizes, *args, **kwargs):
+    orig = original(name)
+    f, op_id = _active(name)
+    if f is not None:
+      with sentinel():
+        f.provider.note_skipped(f.path, op_id, name, provider_lib.FLOAT_NO_QUANTIZED_FORM,
+                                shapes=(lhs.shape, rhs.shape))
+    return orig(lhs, rhs, group_sizes, *args, **kwargs)
+
+  dispatch.__name__ = dispatch.__qualname__ = f"_dispatch_{name}"
+  return dispatch
+
 
 _DISPATCHERS = {"dot_general": _dispatch_dot_general, "einsum": _dispatch_einsum,
-                "conv_general_dilated": _dispatch_conv}
+                "conv_general_dilated": _dispatch_conv, "ragged_dot": _ragged("ragged_dot"),
+                "ragged_dot_general": _ragged("ragged_dot_general")}
+
+for _name, _fn in _DISPATCHERS.items():
+  _fn.__qtrain_dispatcher__ = _name  # type: ignore[attr-defined]
+  _fn.__wrapped__ = original(_name)  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------

@@ -563,6 +563,9 @@ def quantize_model(model, provider: provider_lib.QtProvider, *sample_args, rngs=
       ``MultiHeadAttention``'s projections, and user modules that keep and
       call a ``dot_general`` / ``einsum_op`` / ``conv_general_dilated``
       attribute (weight second).
+    * linen, left float with a warning where a rule would quantize them (and
+      listed by :func:`summary`): ``jax.lax.ragged_dot`` /
+      ``ragged_dot_general`` (mixture-of-experts layers; no quantized form).
     * Never: ``x @ w``, ``jnp.dot``, ``jnp.matmul`` (they stay float, exactly),
       calls made inside an inner ``jax.jit`` / ``vmap`` / ``grad`` of a
       module's method (float, so the inner jit's cache stays float), attention
