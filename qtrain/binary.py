@@ -152,8 +152,12 @@ class LayerQuant:
     """
 
     w, a = self.weight, self.act
-    if self.dlhs_grad != self.drhs_grad:
+    strip = lambda gq: gq if gq is None else dataclasses.replace(gq, axis_names=())
+    if strip(self.dlhs_grad) != strip(self.drhs_grad):
       raise ValueError("QtRule has one bwd_qtype for both backward products")
+    if self.dlhs_grad is not None and self.dlhs_grad.axis_names:
+      raise ValueError("dlhs_grad.axis_names: a QtRule shares the weight gradient's scales "
+                       "only (bwd_weight_grad_axis_names)")
     g = self.drhs_grad
     # Each operand's granularity in its own field; per-tensor tiles (no per-operand name) go
     # through the shared disable_channelwise_axes + tile_size, which one operand at most may use.
@@ -185,6 +189,7 @@ class LayerQuant:
         bwd_qtype=None if g is None else g.qtype.name,
         bwd_calibration_method=g.calibration if g is not None else "absmax",
         bwd_stochastic_rounding=None if g is None else g.stochastic_rounding,
+        bwd_weight_grad_axis_names=() if g is None else g.axis_names,
         implementation=self.implementation)
     tile = shared[0][1].tile_size if shared else None
 
@@ -221,9 +226,10 @@ class LayerQuant:
     g = None if rule.bwd_qtype is None else cfg_lib.GradQuant(
         qtype=rule.bwd_qtype, calibration=rule.bwd_calibration_method,
         stochastic_rounding=rule.bwd_stochastic_rounding)
+    gw = None if g is None else dataclasses.replace(g, axis_names=rule.bwd_weight_grad_axis_names)
     return cls(weight=op(True), act=op(False), learn_act_scale=rule.act_learnable_scale,
                act_scale_init=rule.act_scale_init, learn_act_shift=rule.act_learnable_shift,
-               dlhs_grad=g, drhs_grad=g, implementation=rule.implementation,
+               dlhs_grad=g, drhs_grad=gw, implementation=rule.implementation,
                name=f"rule:{rule.short()}")
 
 

@@ -345,11 +345,14 @@ class QtProvider:
         estimator=rule.weight_estimator if weight else rule.act_estimator,
         scale_grad=(rule.act_scale_grad if (not weight and rule.act_learnable_scale) else "lsq"))
 
-  def _grad(self, rule):
+  def _grad(self, rule, *, weight: bool = False):
+    """The gradient's quantization in the product giving the weight's gradient
+    (``weight=True``) or the activation's."""
     if rule.bwd_qtype is None:
       return None
     return cfg_lib.GradQuant(qtype=rule.bwd_qtype, calibration=rule.bwd_calibration_method,
-                             stochastic_rounding=rule.bwd_stochastic_rounding)
+                             stochastic_rounding=rule.bwd_stochastic_rounding,
+                             axis_names=rule.bwd_weight_grad_axis_names if weight else ())
 
   def _act_state(self, host: Host, rule, act, contract_axes):
     """Applies the learned shift; returns (act, act_scale or None)."""
@@ -437,10 +440,11 @@ class QtProvider:
         ops[a_idx] = act
       w_cfg = self._operand(rule, weight=True, given_scale=False, conv=False)
       a_cfg = self._operand(rule, weight=False, given_scale=act_scale is not None, conv=False)
-      g = self._grad(rule)
+      g, gw = self._grad(rule), self._grad(rule, weight=True)
       cfg = cfg_lib.DotGeneralQtConfig(
           lhs=w_cfg if weight_operand == 0 else a_cfg, rhs=w_cfg if weight_operand == 1 else a_cfg,
-          dlhs_grad=g, drhs_grad=g, implementation=rule.implementation)
+          dlhs_grad=gw if weight_operand == 0 else g, drhs_grad=gw if weight_operand == 1 else g,
+          implementation=rule.implementation)
       scales = [None, None]
       scales[a_idx] = act_scale
       self._rec(path, op_id, op_name, m, QUANTIZED, weight_operand, shapes,
@@ -550,7 +554,8 @@ class QtProvider:
       cfg = cfg_lib.ConvGeneralQtConfig(
           lhs=self._operand(rule, weight=False, given_scale=act_scale is not None, conv=True),
           rhs=self._operand(rule, weight=True, given_scale=False, conv=True),
-          dlhs_grad=self._grad(rule), drhs_grad=self._grad(rule), implementation=rule.implementation)
+          dlhs_grad=self._grad(rule), drhs_grad=self._grad(rule, weight=True),
+          implementation=rule.implementation)
       self._rec(path, op_id, "conv_general_dilated", m, QUANTIZED, 1, shapes,
                 ("conv_general_dilated", (cdn.lhs_spec, cdn.rhs_spec, cdn.out_spec),
                  int(feature_group_count), *_shapes_dtypes((act, rhs))))

@@ -121,6 +121,10 @@ class QtRule:
     bwd_stochastic_rounding: ``None``, ``"uniform"``, ``"low_bit_uniform"``
       or ``"low_bit_hash"`` (:mod:`qtrain.core.rounding`); keys come from the Flax RNG stream
       ``"quant"`` (see :data:`qtrain.RNG_STREAM`).
+    bwd_weight_grad_axis_names: inside ``jax.shard_map``, the mesh axes that split the batch
+      (data parallelism): the weight gradient's product contracts the batch, so its gradient
+      scales are then taken over the whole batch, as on one device (needs ``bwd_qtype`` and
+      an ``absmax`` or ``fixed`` ``bwd_calibration_method``). Empty (the default): per shard.
 
   Where it runs:
     implementation: ``"auto"``, ``"xla"``, ``"triton"``, ``"mosaic"`` or ``"interpret"``
@@ -160,6 +164,7 @@ class QtRule:
   bwd_qtype: object = None
   bwd_calibration_method: object = "absmax"
   bwd_stochastic_rounding: str | None = None
+  bwd_weight_grad_axis_names: Sequence[str] = ()
   implementation: str = "auto"
   lora_rank: int | None = None
   lora_alpha: float | None = None
@@ -275,6 +280,19 @@ class QtRule:
         if self.bwd_qtype is None:
           errors.append(f"bwd_stochastic_rounding={self.bwd_stochastic_rounding!r} needs "
                         "bwd_qtype (it is None)")
+    try:
+      names = qarray.check_axis_names(self.bwd_weight_grad_axis_names, "bwd_weight_grad_axis_names")
+    except ValueError as e:
+      errors.append(str(e))
+    else:
+      object.__setattr__(self, "bwd_weight_grad_axis_names", names)
+      if names and self.bwd_qtype is None:
+        errors.append(f"bwd_weight_grad_axis_names={names!r} needs bwd_qtype (it is None)")
+      elif names and isinstance(self.bwd_calibration_method, qarray.Calibration) and \
+          self.bwd_calibration_method.method not in qarray.GLOBAL_METHODS:
+        errors.append(f"bwd_weight_grad_axis_names={names!r} with bwd_calibration_method "
+                      f"{self.bwd_calibration_method.method!r}: a scale shared across shards "
+                      f"needs one of {qarray.GLOBAL_METHODS}")
     try:
       cfg_lib.check_implementation(self.implementation)
     except ValueError as e:

@@ -2,7 +2,8 @@
 must be set before jax starts): trains a small quantized network (a 1-D conv, two Dense) 5 SGD
 steps on one device, under ``jax.jit`` with ``NamedSharding`` (data-parallel, FSDP,
 tensor-parallel) and data-parallel under ``jax.shard_map``, with quantized and with float
-gradients, and prints one JSON object: the losses of each, and the collectives of each
+gradients (and round-to-nearest ones, the weight gradient's scales per shard or shared across the
+data axis), and prints one JSON object: the losses of each, and the collectives of each
 compiled step (op, result type).
 
   python tests/_multidevice_run.py N QTYPE     # QTYPE: int8 or fp8
@@ -51,9 +52,10 @@ def main():
   data = Mesh(devices, ("data",))
   grid = Mesh(devices.reshape(n_devices // 2, 2), ("data", "model"))
 
-  def build(grads_quantized: bool):
+  def build(grads_quantized: bool, *, sr: str | None = "low_bit_hash", names=()):
     rules = [qtrain.QtRule(weight_qtype=w, act_qtype=a, bwd_qtype=g if grads_quantized else None,
-                           bwd_stochastic_rounding="low_bit_hash" if grads_quantized else None)]
+                           bwd_stochastic_rounding=sr if grads_quantized else None,
+                           bwd_weight_grad_axis_names=names if grads_quantized else ())]
     model = qtrain.quantize_model(Net(), qtrain.QtProvider(rules))
     params = model.init(jax.random.key(2), x)["params"]
 
@@ -121,6 +123,15 @@ def main():
       out["dp"] = run(params, step_fn(loss), data, replicated, P("data"))
       out["fsdp"] = run(params, step_fn(loss), data, fsdp, P("data"))
       out["tp"] = run(params, step_fn(loss), grid, tp, P("data"))
+  # Round-to-nearest quantized gradients, the weight gradient's scales per shard or shared
+  # across the data axis (bwd_weight_grad_axis_names; outside shard_map it has nothing to do).
+  for names, suffix in (((), "_nosr"), (("data",), "_nosr_global")):
+    params, loss = build(True, sr=None, names=names)
+    if not names:
+      out["single_nosr"] = run(params, step_fn(loss))
+    out["shard_map" + suffix] = run(params, shard_map_step_fn(loss))
+  params, loss = build(True, sr=None, names=("data",))
+  out["single_nosr_global"] = run(params, step_fn(loss))
   print(json.dumps(out))
 
 

@@ -11,7 +11,9 @@ before jax starts) and compares with one device:
 * ``jax.shard_map`` data-parallel: every scale is computed on the shard's own data. With a
   float backward that changes no number (per-token activation scales and the replicated
   weights' scales are the same either way). Quantized gradients get per-shard scales (and
-  per-shard noise), so the losses agree within the gradients' quantization error.
+  per-shard noise), so the losses agree within the gradients' quantization error; with
+  ``bwd_weight_grad_axis_names=("data",)`` the weight gradient's scales are the whole batch's,
+  and round-to-nearest training gives one device's losses.
 """
 
 from __future__ import annotations
@@ -80,6 +82,15 @@ def _check(out: dict, qtype: str) -> None:
   assert sm[0] == pytest.approx(one[0], rel=2e-6)  # the first loss is before any update
   np.testing.assert_allclose(sm, one, rtol=step)
   assert not np.array_equal(sm, one)  # per-shard scales really are per shard
+  # Round to nearest, the weight gradient's scales shared across the data axis
+  # (bwd_weight_grad_axis_names=("data",)): every gradient is quantized as on one device, so
+  # the losses agree up to the float reduction order; per shard they do not. Outside
+  # shard_map the names change nothing.
+  one = np.array(out["single_nosr"]["losses"])
+  np.testing.assert_array_equal(out["single_nosr_global"]["losses"], one)
+  np.testing.assert_allclose(out["shard_map_nosr_global"]["losses"], one, rtol=2e-6)
+  local = np.array(out["shard_map_nosr"]["losses"])
+  assert np.max(np.abs(local - one) / np.abs(one)) > 1e-5, (local, one)
 
 
 @pytest.mark.parametrize("qtype", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])

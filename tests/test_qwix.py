@@ -320,6 +320,7 @@ def test_nnx_ptq_from_qt_and_float_models_predicts_what_the_qt_forward_does():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 @pytest.mark.parametrize("weight_qtype", ["int4", "int8"])
 @pytest.mark.parametrize("implementation", ["auto", "triton"])
 def test_ptq_on_the_packed_kernels_predicts_the_qt_forward_gpu(weight_qtype, implementation):

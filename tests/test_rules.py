@@ -53,6 +53,12 @@ class TestQtRuleValidation:
        ["act_static_scale_averaging"]),
       (dict(act_qtype="int8", act_static_scale_ema_decay=1.0), ["act_static_scale_ema_decay"]),
       (dict(weight_qtype="int8", weight_calibration_method="bogus"), ["weight_calibration_method"]),
+      (dict(weight_qtype="int8", bwd_weight_grad_axis_names=("data",)),
+       ["bwd_weight_grad_axis_names", "bwd_qtype"]),
+      (dict(bwd_qtype="int8", bwd_weight_grad_axis_names=(0,)),
+       ["bwd_weight_grad_axis_names", "mesh axis names"]),
+      (dict(bwd_qtype="int8", bwd_calibration_method="rms", bwd_weight_grad_axis_names="data"),
+       ["bwd_weight_grad_axis_names", "'rms'", "absmax"]),
   ])
   def test_invalid_combinations_name_fields(self, kwargs, fields):
     with pytest.raises(ValueError) as e:
@@ -169,3 +175,24 @@ def test_public_api():
     assert hasattr(qtrain, name), name
   assert qtrain.RNG_STREAM == "quant"
   assert qtrain.ops.dot_general_qt.__module__ == "qtrain.ops.dot_general_qt"
+
+
+def test_weight_grad_axis_names_reach_the_weight_gradient_only():
+  """bwd_weight_grad_axis_names reaches the GradQuant of the product that gives the weight's
+  gradient (drhs with the weight second, dlhs with it first; a convolution's drhs), and
+  survives LayerQuant's round trip."""
+  from qtrain import binary, provider as provider_lib
+  rule = qtrain.QtRule(module_path=".*", weight_qtype="int8", bwd_qtype="int8",
+                       bwd_weight_grad_axis_names="data")
+  assert rule.bwd_weight_grad_axis_names == ("data",)
+  p = provider_lib.QtProvider([rule])
+  assert p._grad(rule, weight=True).axis_names == ("data",)
+  assert p._grad(rule).axis_names == ()
+  lq = binary.LayerQuant.from_rule(rule)
+  assert lq.drhs_grad.axis_names == ("data",) and lq.dlhs_grad.axis_names == ()
+  (back,) = lq.to_rules()
+  assert back.bwd_weight_grad_axis_names == ("data",)
+  with pytest.raises(ValueError, match="dlhs_grad.axis_names"):
+    lq.replace(dlhs_grad=lq.drhs_grad).to_rules()
+  with pytest.raises(ValueError, match=r"GradQuant.axis_names=\('data',\) with calibration 'rms'"):
+    qtrain.ops.GradQuant(qtype="int8", calibration="rms", axis_names=("data",))

@@ -196,6 +196,11 @@ class QuantizeSpec:
     stochastic_rounding: ``None`` (round to nearest even) or one of
       :data:`~qtrain.core.rounding.STOCHASTIC_METHODS` (see :mod:`qtrain.core.rounding`);
       needs a key.
+    axis_names: inside ``jax.shard_map``, the mesh axes that split the axes a scale is
+      reduced over: each group's bound is reduced across them too, so every shard gets the
+      scale of the whole (global) array. For ``absmax``, ``minmax`` and ``fixed``
+      calibrations (a percentile, mean or rms of shards is not theirs combined). Naming an
+      axis that splits a channel axis instead would mix different channels' scales.
   """
 
   qtype: object
@@ -203,6 +208,7 @@ class QuantizeSpec:
   tiled_axes: Mapping[int, int] = dataclasses.field(default_factory=dict)
   calibration: Calibration | str = "absmax"
   stochastic_rounding: str | None = None
+  axis_names: tuple[str, ...] = ()
 
   def __post_init__(self):
     qt = qtypes.get_qtype(self.qtype)
@@ -235,10 +241,33 @@ class QuantizeSpec:
     if cal.is_asymmetric and qt.kind != "int":
       raise ValueError(
           f"calibration 'minmax' (asymmetric, zero point) needs an integer qtype, got {qt.name!r}")
+    object.__setattr__(self, "axis_names", check_axis_names(self.axis_names, "axis_names"))
+    if self.axis_names and cal.method not in GLOBAL_METHODS:
+      raise ValueError(f"axis_names={self.axis_names!r} with calibration {cal.method!r}: a scale "
+                       f"shared across shards needs one of {GLOBAL_METHODS}")
 
   def __hash__(self):
     return hash((self.qtype, self.channelwise_axes, tuple(sorted(self.tiled_axes.items())),
-                 self.calibration, self.stochastic_rounding))
+                 self.calibration, self.stochastic_rounding, self.axis_names))
+
+
+GLOBAL_METHODS = ("absmax", "minmax", "fixed")
+"""The calibrations whose bound over the whole array follows from the shards' bounds."""
+
+
+def check_axis_names(names, what: str) -> tuple[str, ...]:
+  """``names`` as a tuple of mesh axis names (a single name is one axis); raises naming
+  ``what`` otherwise."""
+  if isinstance(names, str):
+    names = (names,)
+  try:
+    out = tuple(names)
+  except TypeError:
+    out = None
+  if out is None or not all(isinstance(n, str) and n for n in out) or len(set(out)) != len(out):
+    raise ValueError(f"{what}={names!r} is not valid; valid: a tuple of distinct mesh axis "
+                     "names, e.g. ('data',)")
+  return out
 
 
 @jax.tree_util.register_dataclass
@@ -439,7 +468,12 @@ def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | 
   # (XLA's CPU reduce-max drops it in large reductions: 4200 values holding NaNs gave 1.0).
   # A sum of x * 0 is NaN exactly where a NaN or Inf is (0 otherwise): a float sum beside the
   # bound's reduction, where isfinite + reduce_and is a separate boolean reduction.
-  data_finite = jnp.sum(xs * 0.0, axis=red, keepdims=True) == 0
+  names = _lax.bound_axis_names(x, spec.axis_names, "axis_names") if spec.axis_names else ()
+  if names:  # shared across shard_map shards: the whole array's bounds
+    gmin = lambda v, _f=gmin: jax.lax.pmin(_f(v), names)
+    gmax = lambda v, _f=gmax: jax.lax.pmax(_f(v), names)
+  nonfinite = jnp.sum(xs * 0.0, axis=red, keepdims=True)
+  data_finite = (jax.lax.psum(nonfinite, names) if names else nonfinite) == 0
   if cal.method == "minmax":
     s, zp = _calibrate_minmax(gmin(xs), gmax(xs), qt, cal.multiplier, out_shape)
     return jnp.where(data_finite.reshape(out_shape), s, jnp.nan), zp

@@ -94,11 +94,17 @@ class GradQuant:
     calibration: method for the gradient's scale (symmetric only).
     stochastic_rounding: ``None`` or one of :data:`qtrain.core.rounding.STOCHASTIC_METHODS`;
       works for integer and fp8 qtypes alike.
+    axis_names: inside ``jax.shard_map``, the mesh axes that split this product's contraction
+      (data parallelism: the batch, in the weight gradient's product): the gradient's scales,
+      and the power of two the residual's scale is folded with, are then those of the whole
+      array, as on one device (see :attr:`qtrain.core.qarray.QuantizeSpec.axis_names`).
+      Empty: per shard.
   """
 
   qtype: object
   calibration: qarray.Calibration | str = "absmax"
   stochastic_rounding: str | None = None
+  axis_names: tuple[str, ...] = ()
 
   def __post_init__(self):
     object.__setattr__(self, "qtype", qtypes.get_qtype(self.qtype))
@@ -109,6 +115,12 @@ class GradQuant:
     if self.qtype.kind in ("binary", "ternary"):  # type: ignore[union-attr]
       raise ValueError(f"GradQuant.qtype={self.qtype.name!r}: gradients need int2..int8 or fp8")
     rounding.check_stochastic_method(self.stochastic_rounding)
+    object.__setattr__(self, "axis_names",
+                       qarray.check_axis_names(self.axis_names, "GradQuant.axis_names"))
+    if self.axis_names and self.calibration.method not in qarray.GLOBAL_METHODS:  # type: ignore[union-attr]
+      raise ValueError(f"GradQuant.axis_names={self.axis_names!r} with calibration "
+                       f"{self.calibration.method!r}: a scale shared across shards needs one of "  # type: ignore[union-attr]
+                       f"{qarray.GLOBAL_METHODS}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qtrain.core import _lax
 from qtrain.core import qarray as qa
 from qtrain.core import qdot
 from qtrain.ops import config as cfg_lib
@@ -82,7 +83,7 @@ def transpose_dims(dn, x_ndim: int, y_ndim: int, *, swap_ans: bool):
   return dims, perm, ans_batch + ans_x
 
 
-def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
+def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int, axis_names=()):
   """Moves ``y``'s scale into ``g`` when it varies along the contraction.
 
   Returns (g', y') or None when the scale varies jointly along contracted and
@@ -100,7 +101,8 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
   the numbers are those of ``g * scale`` wherever that is finite; no pass
   over ``g`` is added (the shift is computed on the scale alone). Only scales
   that span more than 2**126 within one batch index, or reach 2**127, can
-  leave a product that overflows.
+  leave a product that overflows. ``axis_names``: the ``jax.shard_map`` mesh
+  axes the contraction is split over; the shift is then the whole array's.
   """
   (gc, yk), (gb, yb) = dims
   ys = y.scale
@@ -113,7 +115,7 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
   t = jnp.transpose(ys, tuple(yb) + tuple(yk) + tuple(y_free)).astype(jnp.float32)
   t = t.reshape(t.shape[:len(yb) + len(yk)])
   nb = len(yb)
-  e = _fold_exponent(t, tuple(range(nb, t.ndim)))
+  e = _fold_exponent(t, tuple(range(nb, t.ndim)), axis_names)
   # Two exact steps of at most 2**-64 each: every positive t >= low ends normal,
   # and no factor is subnormal (a GPU flushes those to zero).
   half = e >> 1
@@ -133,7 +135,7 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int):
   return g2, y2
 
 
-def _fold_exponent(t: jax.Array, group: tuple[int, ...]) -> jax.Array:
+def _fold_exponent(t: jax.Array, group: tuple[int, ...], axis_names=()) -> jax.Array:
   """The fold's shift ``e`` per group (int32 in [0, 127], keepdims): one above the exponent of
   the group's largest finite value (which then divides into [0.5, 1)), lowered so that its
   smallest positive normal value divided by ``2**e`` stays >= 2**-126 (at most 126 above that
@@ -153,6 +155,9 @@ def _fold_exponent(t: jax.Array, group: tuple[int, ...]) -> jax.Array:
   # these over a sharded axis, where it all-gathers the operands of a variadic reduce.
   top = jax.lax.reduce_max(hi, group)
   low = jax.lax.reduce_min(lo, group)
+  axis_names = _lax.bound_axis_names(t, axis_names, "axis_names") if axis_names else ()
+  if axis_names:  # the group is split over shard_map shards: the whole group's ends
+    top, low = jax.lax.pmax(top, axis_names), jax.lax.pmin(low, axis_names)
   # Biased exponents: top's - 127 + 1 and low's - 127 + 126; t >= 0 only reaches here (scales).
   e = jax.lax.min(jax.lax.shift_right_arithmetic(top, 23) - 126,
                   jax.lax.shift_right_arithmetic(low, 23) - 1)
@@ -187,7 +192,7 @@ def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, k
   if gq is not None:
     if qdot.is_quantized(y_res):
       x_kept = len(qdot.free_axes(x_ndim, dn_x_first[0][0], dn_x_first[1][0]))
-      folded = _fold_scale(g, y_res, dims, swap_ans, x_kept)
+      folded = _fold_scale(g, y_res, dims, swap_ans, x_kept, gq.axis_names)
       if folded is not None:
         g_in, y_in = folded
     g_in = quantize_grad(g_in, gq, g_free, key)

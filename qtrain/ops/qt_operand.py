@@ -40,6 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from qtrain.core import _lax
 from qtrain.core import estimators
 from qtrain.core import qarray as qa
 from qtrain.core import rounding
@@ -149,19 +150,12 @@ def finish_operand_grad(x_bar, res: OperandResidual, oq, dtype):
 
 def quantize_grad(g, gq: cfg_lib.GradQuant, channel_axes, key):
   spec = qa.QuantizeSpec(qtype=gq.qtype, channelwise_axes=channel_axes,
-                         calibration=gq.calibration, stochastic_rounding=gq.stochastic_rounding)
+                         calibration=gq.calibration, stochastic_rounding=gq.stochastic_rounding,
+                         axis_names=gq.axis_names)
   return qa.quantize(g, spec, key=key)
 
 
-def varying_axes(x) -> frozenset:
-  """The ``jax.shard_map`` mesh axes ``x`` varies over (empty outside shard_map, and for None)."""
-  if x is None:
-    return frozenset()
-  aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
-  if manual is not None:
-    return frozenset(manual.varying)
-  return frozenset(getattr(aval, "vma", None) or ())
+varying_axes = _lax.varying_axes
 
 
 def operand_axes(*operands) -> tuple[frozenset, ...]:

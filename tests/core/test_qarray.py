@@ -12,6 +12,7 @@ Error budgets (all elementwise, against the float64 input):
     below, plus FP32_SLACK * |x|.
 """
 
+import dataclasses
 import zlib
 
 import hypothesis
@@ -580,3 +581,61 @@ def test_as_calibration_reads_method_with_arguments(text, want):
 def test_as_calibration_strings_with_bad_arguments_raise_naming_them(text, match):
   with pytest.raises(ValueError, match=match):
     qarray.as_calibration(text)
+
+
+# ----------------------------------------------------------------------------
+# Scales shared across shards (axis_names).
+
+
+@pytest.mark.parametrize("method", ["absmax", "minmax", "fixed"])
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_axis_names_give_every_shard_the_whole_arrays_scale(method, nonfinite):
+  """Four shards of the reduced axis (``jax.vmap`` with an axis name binds it as a shard_map
+  does): with ``axis_names`` each shard's scale (and zero point) is the whole array's, bit for
+  bit, NaN where any shard holds a NaN; without, each shard has its own. Shard 2 is all zero
+  (its own scale would be the all-zero group's 1)."""
+  rng = np.random.default_rng(4)
+  x = (rng.standard_normal((4, 6, 5)) * 10.0 ** rng.uniform(-3, 3, (4, 1, 5))).astype(np.float32)
+  x[2] = 0.0
+  if nonfinite:
+    x[1, 3, 2] = np.nan
+  cal = qarray.Calibration(method="fixed", bound=3.0) if method == "fixed" else method
+  qt = "int4" if method == "minmax" else "int8"
+  whole = qarray.QuantizeSpec(qtype=qt, channelwise_axes=(1,), calibration=cal)  # reduce 0 and 1
+  shared = qarray.QuantizeSpec(qtype=qt, channelwise_axes=(1,), calibration=cal,
+                               axis_names=("data",))
+  flat = jnp.asarray(x.reshape(24, 5))  # rows: shards x rows
+  s_whole, z_whole = qarray.calibrate(flat, whole)
+  got = jax.vmap(lambda v: qarray.calibrate(v, shared), axis_name="data")(jnp.asarray(x))
+  own = jax.vmap(lambda v: qarray.calibrate(v, whole), axis_name="data")(jnp.asarray(x))
+  for i in range(4):
+    np.testing.assert_array_equal(np.asarray(got[0][i]), np.asarray(s_whole))
+    if z_whole is not None:
+      np.testing.assert_array_equal(np.asarray(got[1][i]), np.asarray(z_whole))
+  if method != "fixed":
+    assert not np.array_equal(np.asarray(own[0][0]), np.asarray(own[0][3]))
+    assert np.all(np.asarray(own[0][2]) == 1.0)  # the all-zero shard's own scale
+  assert np.isnan(np.asarray(got[0])).any() == (nonfinite and method != "fixed")
+
+
+def test_axis_names_are_checked():
+  with pytest.raises(ValueError, match=r"axis_names=\[1\] is not valid.*\('data',\)"):
+    qarray.QuantizeSpec(qtype="int8", axis_names=[1])
+  with pytest.raises(ValueError, match=r"axis_names=\('data',\) with calibration 'percentile'.*"
+                                       r"absmax"):
+    qarray.QuantizeSpec(qtype="int8", calibration="percentile,99", axis_names="data")
+  assert qarray.QuantizeSpec(qtype="int8", axis_names="data").axis_names == ("data",)
+  # Outside shard_map the array is whole: nothing to reduce across, the same scale.
+  x = jax.random.normal(jax.random.key(0), (8, 4))
+  spec = qarray.QuantizeSpec(qtype="int8", channelwise_axes=(1,))
+  np.testing.assert_array_equal(
+      np.asarray(qarray.calibrate(x, dataclasses.replace(spec, axis_names=("data",)))[0]),
+      np.asarray(qarray.calibrate(x, spec)[0]))
+  # Inside a shard_map, a name that is none of its mesh axes is a mistake, not a no-op.
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  bad = dataclasses.replace(spec, axis_names=("dta",))
+  f = jax.shard_map(lambda v: qarray.calibrate(v, bad)[0], mesh=mesh,
+                    in_specs=jax.sharding.PartitionSpec("data"),
+                    out_specs=jax.sharding.PartitionSpec())
+  with pytest.raises(ValueError, match=r"'dta' is not a mesh axis of the enclosing shard_map"):
+    f(x)
