@@ -182,7 +182,7 @@ class FrozenLayer:
     """Inverse of :meth:`meta` (``arrays``: the present array fields)."""
     kw = {f: meta[f] for f in META_FIELDS if f in meta}
     kw["kernel_shape"] = tuple(meta["kernel_shape"])
-    kw["act"] = None if meta["act"] is None else tuple(sorted(meta["act"].items()))
+    kw["act"] = None if meta["act"] is None else tuple(sorted((k, _to_tuples(v)) for k, v in meta["act"].items()))
     kw["lora"] = None if meta.get("lora") is None else tuple(sorted(meta["lora"].items()))
     kw["layout"] = _to_tuples(meta.get("layout", ()))
     return cls(**{f: (arrays[f] if f in meta["present"] else None) for f in ARRAY_FIELDS}, **kw)
@@ -222,17 +222,21 @@ def act_meta(oq: cfg_lib.OperandQuant | None, scale: str | None):
   if scale not in ACT_SCALES:
     raise ValueError(f"scale={scale!r}; valid: {list(ACT_SCALES)}")
   cal = oq.calibration
-  return tuple(sorted(dict(
+  meta = dict(
       qtype=oq.qtype.name, calibration=cal.method, bound=cal.bound, multiplier=cal.multiplier,
       percentile=cal.percentile, channelwise=bool(oq.channelwise), tile_size=oq.tile_size,
-      scale=scale).items()))
+      scale=scale)
+  if oq.axis_names:  # only where set: metadata saved before the field stays as it was
+    meta["axis_names"] = tuple(oq.axis_names)
+  return tuple(sorted(meta.items()))
 
 
 def _act_operand(act: dict) -> cfg_lib.OperandQuant:
   cal = qa.Calibration(method=act["calibration"], bound=act["bound"],
                        multiplier=act["multiplier"], percentile=act["percentile"])
   return cfg_lib.OperandQuant(qtype=act["qtype"], calibration=cal, channelwise=act["channelwise"],
-                              tile_size=act.get("tile_size"))
+                              tile_size=act.get("tile_size"),
+                              axis_names=tuple(act.get("axis_names", ())))
 
 
 def check_packable(w_cfg: cfg_lib.OperandQuant, where: str) -> None:
@@ -412,7 +416,8 @@ def quantize_act(layer: FrozenLayer, x, *, contract, channel_axes, tile_axis, sh
   if act.get("scale") == "given":
     given = layer.scale_a
   elif act.get("scale") == "batch":
-    spec = qa.QuantizeSpec(qtype=oq.qtype, channelwise_axes=(), calibration=oq.calibration)
+    spec = qa.QuantizeSpec(qtype=oq.qtype, channelwise_axes=(), calibration=oq.calibration,
+                           axis_names=oq.axis_names)
     given = qa.calibrate(jax.lax.stop_gradient(x), spec)[0].reshape(())
   if given is None:
     return qa.quantize(x, qop.operand_spec(oq, x.ndim, channel_axes, tile_axis))

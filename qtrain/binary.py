@@ -155,9 +155,6 @@ class LayerQuant:
     strip = lambda gq: gq if gq is None else dataclasses.replace(gq, axis_names=())
     if strip(self.dlhs_grad) != strip(self.drhs_grad):
       raise ValueError("QtRule has one bwd_qtype for both backward products")
-    if self.dlhs_grad is not None and self.dlhs_grad.axis_names:
-      raise ValueError("dlhs_grad.axis_names: a QtRule shares the weight gradient's scales "
-                       "only (bwd_weight_grad_axis_names)")
     g = self.drhs_grad
     # Each operand's granularity in its own field; per-tensor tiles (no per-operand name) go
     # through the shared disable_channelwise_axes + tile_size, which one operand at most may use.
@@ -190,6 +187,9 @@ class LayerQuant:
         bwd_calibration_method=g.calibration if g is not None else "absmax",
         bwd_stochastic_rounding=None if g is None else g.stochastic_rounding,
         bwd_weight_grad_axis_names=() if g is None else g.axis_names,
+        bwd_act_grad_axis_names=() if self.dlhs_grad is None else self.dlhs_grad.axis_names,
+        weight_axis_names=() if w is None else w.axis_names,
+        act_axis_names=() if a is None else a.axis_names,
         implementation=self.implementation)
     tile = shared[0][1].tile_size if shared else None
 
@@ -221,15 +221,17 @@ class LayerQuant:
           channelwise=channelwise,
           tile_size=None if (conv or learned) else tile_size,
           estimator=rule.weight_estimator if weight else rule.act_estimator,
-          scale_grad=rule.act_scale_grad if learned else "lsq")
+          scale_grad=rule.act_scale_grad if learned else "lsq",
+          axis_names=rule.weight_axis_names if weight else rule.act_axis_names)
 
     g = None if rule.bwd_qtype is None else cfg_lib.GradQuant(
         qtype=rule.bwd_qtype, calibration=rule.bwd_calibration_method,
         stochastic_rounding=rule.bwd_stochastic_rounding)
+    ga = None if g is None else dataclasses.replace(g, axis_names=rule.bwd_act_grad_axis_names)
     gw = None if g is None else dataclasses.replace(g, axis_names=rule.bwd_weight_grad_axis_names)
     return cls(weight=op(True), act=op(False), learn_act_scale=rule.act_learnable_scale,
                act_scale_init=rule.act_scale_init, learn_act_shift=rule.act_learnable_shift,
-               dlhs_grad=g, drhs_grad=gw, implementation=rule.implementation,
+               dlhs_grad=ga, drhs_grad=gw, implementation=rule.implementation,
                name=f"rule:{rule.short()}")
 
 

@@ -343,7 +343,8 @@ class QtProvider:
         channelwise=channelwise,
         tile_size=None if (conv or (given_scale and not weight)) else tile_size,
         estimator=rule.weight_estimator if weight else rule.act_estimator,
-        scale_grad=(rule.act_scale_grad if (not weight and rule.act_learnable_scale) else "lsq"))
+        scale_grad=(rule.act_scale_grad if (not weight and rule.act_learnable_scale) else "lsq"),
+        axis_names=rule.weight_axis_names if weight else rule.act_axis_names)
 
   def _grad(self, rule, *, weight: bool = False):
     """The gradient's quantization in the product giving the weight's gradient
@@ -352,7 +353,8 @@ class QtProvider:
       return None
     return cfg_lib.GradQuant(qtype=rule.bwd_qtype, calibration=rule.bwd_calibration_method,
                              stochastic_rounding=rule.bwd_stochastic_rounding,
-                             axis_names=rule.bwd_weight_grad_axis_names if weight else ())
+                             axis_names=(rule.bwd_weight_grad_axis_names if weight else
+                                         rule.bwd_act_grad_axis_names))
 
   def _act_state(self, host: Host, rule, act, contract_axes):
     """Applies the learned shift; returns (act, act_scale or None)."""
@@ -370,7 +372,8 @@ class QtProvider:
 
   def _static_scale(self, host: Host, rule, x):
     spec = qarray.QuantizeSpec(qtype=rule.act_qtype, channelwise_axes=(),
-                               calibration=rule.act_calibration_method)
+                               calibration=rule.act_calibration_method,
+                               axis_names=rule.act_axis_names)
     cur = qarray.calibrate(jax.lax.stop_gradient(x), spec)[0].reshape(())
     scale = host.stat("act_static_scale", lambda: jnp.zeros((), jnp.float32))
     count = host.stat("act_static_count", lambda: jnp.zeros((), jnp.float32))

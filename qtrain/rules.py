@@ -121,10 +121,18 @@ class QtRule:
     bwd_stochastic_rounding: ``None``, ``"uniform"``, ``"low_bit_uniform"``
       or ``"low_bit_hash"`` (:mod:`qtrain.core.rounding`); keys come from the Flax RNG stream
       ``"quant"`` (see :data:`qtrain.RNG_STREAM`).
-    bwd_weight_grad_axis_names: inside ``jax.shard_map``, the mesh axes that split the batch
-      (data parallelism): the weight gradient's product contracts the batch, so its gradient
-      scales are then taken over the whole batch, as on one device (needs ``bwd_qtype`` and
-      an ``absmax`` or ``fixed`` ``bwd_calibration_method``). Empty (the default): per shard.
+
+  Scales shared across ``jax.shard_map`` shards (each: the mesh axes that split the axes a
+  scale is reduced over; the scale is then the whole array's, as on one device; needs the
+  qtype it quantizes and an ``absmax``, ``minmax`` or ``fixed`` calibration; skipped outside
+  shard_map; empty, the default: per shard):
+    bwd_weight_grad_axis_names: the axes that split the batch (data parallelism): the weight
+      gradient's product contracts the batch.
+    bwd_act_grad_axis_names: the axes that split the output features (a column-parallel
+      layer): the input gradient's product contracts them.
+    weight_axis_names: the axes that split the weight's contraction (a row-parallel layer).
+    act_axis_names: the axes that split the input's contraction (a row-parallel layer's
+      input features); also a static scale's calibration.
 
   Where it runs:
     implementation: ``"auto"``, ``"xla"``, ``"triton"``, ``"mosaic"`` or ``"interpret"``
@@ -165,6 +173,9 @@ class QtRule:
   bwd_calibration_method: object = "absmax"
   bwd_stochastic_rounding: str | None = None
   bwd_weight_grad_axis_names: Sequence[str] = ()
+  bwd_act_grad_axis_names: Sequence[str] = ()
+  weight_axis_names: Sequence[str] = ()
+  act_axis_names: Sequence[str] = ()
   implementation: str = "auto"
   lora_rank: int | None = None
   lora_alpha: float | None = None
@@ -280,19 +291,26 @@ class QtRule:
         if self.bwd_qtype is None:
           errors.append(f"bwd_stochastic_rounding={self.bwd_stochastic_rounding!r} needs "
                         "bwd_qtype (it is None)")
-    try:
-      names = qarray.check_axis_names(self.bwd_weight_grad_axis_names, "bwd_weight_grad_axis_names")
-    except ValueError as e:
-      errors.append(str(e))
-    else:
-      object.__setattr__(self, "bwd_weight_grad_axis_names", names)
-      if names and self.bwd_qtype is None:
-        errors.append(f"bwd_weight_grad_axis_names={names!r} needs bwd_qtype (it is None)")
-      elif names and isinstance(self.bwd_calibration_method, qarray.Calibration) and \
-          self.bwd_calibration_method.method not in qarray.GLOBAL_METHODS:
-        errors.append(f"bwd_weight_grad_axis_names={names!r} with bwd_calibration_method "
-                      f"{self.bwd_calibration_method.method!r}: a scale shared across shards "
-                      f"needs one of {qarray.GLOBAL_METHODS}")
+    for field, qname, cname in (
+        ("bwd_weight_grad_axis_names", "bwd_qtype", "bwd_calibration_method"),
+        ("bwd_act_grad_axis_names", "bwd_qtype", "bwd_calibration_method"),
+        ("weight_axis_names", "weight_qtype", "weight_calibration_method"),
+        ("act_axis_names", "act_qtype", "act_calibration_method")):
+      try:
+        names = qarray.check_axis_names(getattr(self, field), field)
+      except ValueError as e:
+        errors.append(str(e))
+        continue
+      object.__setattr__(self, field, names)
+      cal = getattr(self, cname)
+      if names and getattr(self, qname) is None:
+        errors.append(f"{field}={names!r} needs {qname} (it is None)")
+      elif names and isinstance(cal, qarray.Calibration) and cal.method not in qarray.GLOBAL_METHODS:
+        errors.append(f"{field}={names!r} with {cname} {cal.method!r}: a scale shared across "
+                      f"shards needs one of {qarray.GLOBAL_METHODS}")
+    if self.act_axis_names and self.act_learnable_scale:
+      errors.append(f"act_axis_names={self.act_axis_names!r} with act_learnable_scale: a learned "
+                    "scale is a parameter, not calibrated (it is the same on every shard)")
     try:
       cfg_lib.check_implementation(self.implementation)
     except ValueError as e:

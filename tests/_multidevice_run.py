@@ -42,6 +42,78 @@ class Net(nn.Module):
     return nn.Dense(16, name="down")(h)
 
 
+class TpUp(nn.Module):  # column-parallel under shard_map: the kernel split along its features
+  hidden: int
+
+  @nn.compact
+  def __call__(self, x):
+    k = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.hidden))
+    return nn.gelu(jax.lax.dot_general(x, k, (((1,), (0,)), ((), ()))))
+
+
+class TpDown(nn.Module):  # row-parallel: the kernel split along its input; partial sums summed
+  out: int
+  axis: str | None
+
+  @nn.compact
+  def __call__(self, h):
+    k = self.param("kernel", nn.initializers.lecun_normal(), (h.shape[-1], self.out))
+    y = jax.lax.dot_general(h, k, (((1,), (0,)), ((), ())))
+    return y if self.axis is None else jax.lax.psum(y, self.axis)
+
+
+class TpNet(nn.Module):
+  hidden: int
+  axis: str | None = None
+
+  @nn.compact
+  def __call__(self, x):
+    return TpDown(16, self.axis, name="down")(TpUp(self.hidden, name="up")(x))
+
+
+def tensor_parallel(x, y, n_devices):
+  """Megatron-style tensor parallelism written with jax.shard_map: column-split up, row-split
+  down, round-to-nearest int8 gradients. Shared scales (the axis-name fields of the rules:
+  the row-parallel layer's input and weight, the column-parallel layer's input gradient) give
+  one device's losses; per-shard scales do not."""
+  model_mesh = Mesh(np.array(jax.devices()), ("model",))
+  tx = optax.sgd(0.05)
+
+  def rules(shared: bool):
+    m = ("model",) if shared else ()
+    common = dict(weight_qtype="int8", act_qtype="int8", bwd_qtype="int8")
+    return [qtrain.QtRule(module_path="up", bwd_act_grad_axis_names=m, **common),
+            qtrain.QtRule(module_path="down", act_axis_names=m, weight_axis_names=m, **common)]
+
+  def train(shared: bool, sharded: bool):
+    net = TpNet(64 // n_devices, "model") if sharded else TpNet(64)  # each shard's own sizes
+    model = qtrain.quantize_model(net, qtrain.QtProvider(rules(shared)))
+    params = TpNet(64).init(jax.random.key(2), x)["params"]
+    loss = lambda p, x, y: jnp.mean((model.apply({"params": p}, x) - y) ** 2)
+    specs = {"up": {"kernel": P(None, "model")}, "down": {"kernel": P("model", None)}}
+
+    def grads(p, x, y):
+      if not sharded:
+        return jax.value_and_grad(loss)(p, x, y)
+      return jax.shard_map(jax.value_and_grad(loss), mesh=model_mesh,
+                           in_specs=(specs, P(), P()), out_specs=(P(), specs))(p, x, y)
+
+    @jax.jit
+    def step(p, s):
+      value, g = grads(p, x, y)
+      updates, s = tx.update(g, s, p)
+      return optax.apply_updates(p, updates), s, value
+
+    p, s, losses = params, tx.init(params), []
+    for _ in range(5):
+      p, s, value = step(p, s)
+      losses.append(float(value))
+    return losses
+
+  return {"single": train(True, False), "shared": train(True, True),
+          "per_shard": train(False, True)}
+
+
 def main():
   w, a, g = QTYPES[qtype]
   x = jax.random.normal(jax.random.key(0), (32, 6, 4))
@@ -132,6 +204,7 @@ def main():
     out["shard_map" + suffix] = run(params, shard_map_step_fn(loss))
   params, loss = build(True, sr=None, names=("data",))
   out["single_nosr_global"] = run(params, step_fn(loss))
+  out["tensor_parallel_shard_map"] = tensor_parallel(x.reshape(32, -1), y, n_devices)
   print(json.dumps(out))
 
 

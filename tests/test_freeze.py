@@ -625,3 +625,23 @@ def test_int3_to_int7_weights_freeze_into_their_container_and_run_its_kernels(qt
   qt = qtrain.core.get_qtype(qtype)
   assert codes.min() >= qt.qmin and codes.max() <= qt.qmax
   assert np.abs(codes).max() == qt.qmax  # absmax: each channel's largest value lands on qmax
+
+
+def test_input_axis_names_survive_freeze_save_and_load(tmp_path):
+  """A rule's act_axis_names (a shard_map-shared input scale) is frozen with the layer's input
+  quantization and comes back from save_frozen / load_frozen (JSON lists back to tuples: the
+  metadata must stay hashable)."""
+  rules = [qtrain.QtRule(module_path=".*", weight_qtype="int8", act_qtype="int8",
+                         act_axis_names=("model",))]
+  provider = qtrain.QtProvider(rules)
+  qmodel = qtrain.quantize_model(nn.Dense(8), provider)
+  x = jax.random.normal(jax.random.key(0), (2, 16))
+  v = qmodel.init(jax.random.key(1), x)
+  frozen = freeze.freeze(v, provider)
+  assert frozen["layers"][""].act_dict["axis_names"] == ("model",)
+  freeze.save_frozen(str(tmp_path / "f"), frozen)
+  back = freeze.load_frozen(str(tmp_path / "f"))
+  assert back["layers"][""].act == frozen["layers"][""].act
+  hash(back["layers"][""].act)
+  np.testing.assert_array_equal(np.asarray(freeze.apply_frozen(nn.Dense(8), back, x)),
+                                np.asarray(qmodel.apply(v, x)))

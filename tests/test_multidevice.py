@@ -14,6 +14,8 @@ before jax starts) and compares with one device:
   per-shard noise), so the losses agree within the gradients' quantization error; with
   ``bwd_weight_grad_axis_names=("data",)`` the weight gradient's scales are the whole batch's,
   and round-to-nearest training gives one device's losses.
+* ``jax.shard_map`` tensor-parallel (column-split, then row-split): the rules' axis-name
+  fields share the scales whose reductions the split crosses; one device's losses.
 """
 
 from __future__ import annotations
@@ -91,6 +93,14 @@ def _check(out: dict, qtype: str) -> None:
   np.testing.assert_allclose(out["shard_map_nosr_global"]["losses"], one, rtol=2e-6)
   local = np.array(out["shard_map_nosr"]["losses"])
   assert np.max(np.abs(local - one) / np.abs(one)) > 1e-5, (local, one)
+  # Tensor parallelism written with shard_map (column-split, then row-split), int8 forward
+  # and round-to-nearest int8 gradients: with the rules' axis-name fields (the row-parallel
+  # layer's input and weight, the column-parallel layer's input gradient) one device's losses;
+  # per shard, not.
+  tp = out["tensor_parallel_shard_map"]
+  np.testing.assert_allclose(tp["shared"], tp["single"], rtol=2e-6)
+  per_shard, single = np.array(tp["per_shard"]), np.array(tp["single"])
+  assert np.max(np.abs(per_shard - single) / single) > 1e-5, (per_shard, single)
 
 
 @pytest.mark.parametrize("qtype", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])

@@ -59,6 +59,12 @@ class TestQtRuleValidation:
        ["bwd_weight_grad_axis_names", "mesh axis names"]),
       (dict(bwd_qtype="int8", bwd_calibration_method="rms", bwd_weight_grad_axis_names="data"),
        ["bwd_weight_grad_axis_names", "'rms'", "absmax"]),
+      (dict(bwd_act_grad_axis_names="model"), ["bwd_act_grad_axis_names", "bwd_qtype"]),
+      (dict(act_axis_names="model"), ["act_axis_names", "act_qtype"]),
+      (dict(weight_qtype="int8", weight_calibration_method="absmean", weight_axis_names="model"),
+       ["weight_axis_names", "'absmean'"]),
+      (dict(act_qtype="int8", act_learnable_scale=True, act_axis_names="model"),
+       ["act_axis_names", "act_learnable_scale"]),
   ])
   def test_invalid_combinations_name_fields(self, kwargs, fields):
     with pytest.raises(ValueError) as e:
@@ -177,22 +183,29 @@ def test_public_api():
   assert qtrain.ops.dot_general_qt.__module__ == "qtrain.ops.dot_general_qt"
 
 
-def test_weight_grad_axis_names_reach_the_weight_gradient_only():
-  """bwd_weight_grad_axis_names reaches the GradQuant of the product that gives the weight's
-  gradient (drhs with the weight second, dlhs with it first; a convolution's drhs), and
-  survives LayerQuant's round trip."""
+def test_axis_names_reach_their_quantizations_and_round_trip():
+  """Each shard_map axis-name field reaches the quantization it names: the weight's and the
+  input's OperandQuant, the GradQuant of the product giving the weight's gradient and of the
+  one giving the input's; and survives LayerQuant's round trip."""
   from qtrain import binary, provider as provider_lib
-  rule = qtrain.QtRule(module_path=".*", weight_qtype="int8", bwd_qtype="int8",
-                       bwd_weight_grad_axis_names="data")
+  rule = qtrain.QtRule(module_path=".*", weight_qtype="int8", act_qtype="int8", bwd_qtype="int8",
+                       bwd_weight_grad_axis_names="data", bwd_act_grad_axis_names=("model",),
+                       weight_axis_names=("model",), act_axis_names=("model", "x"))
   assert rule.bwd_weight_grad_axis_names == ("data",)
   p = provider_lib.QtProvider([rule])
   assert p._grad(rule, weight=True).axis_names == ("data",)
-  assert p._grad(rule).axis_names == ()
+  assert p._grad(rule).axis_names == ("model",)
+  assert p._operand(rule, weight=True, given_scale=False, conv=False).axis_names == ("model",)
+  assert p._operand(rule, weight=False, given_scale=False, conv=False).axis_names == ("model", "x")
   lq = binary.LayerQuant.from_rule(rule)
-  assert lq.drhs_grad.axis_names == ("data",) and lq.dlhs_grad.axis_names == ()
+  assert lq.drhs_grad.axis_names == ("data",) and lq.dlhs_grad.axis_names == ("model",)
+  assert lq.weight.axis_names == ("model",) and lq.act.axis_names == ("model", "x")
   (back,) = lq.to_rules()
-  assert back.bwd_weight_grad_axis_names == ("data",)
-  with pytest.raises(ValueError, match="dlhs_grad.axis_names"):
-    lq.replace(dlhs_grad=lq.drhs_grad).to_rules()
+  for f in ("bwd_weight_grad_axis_names", "bwd_act_grad_axis_names", "weight_axis_names",
+            "act_axis_names"):
+    assert getattr(back, f) == getattr(rule, f), f
   with pytest.raises(ValueError, match=r"GradQuant.axis_names=\('data',\) with calibration 'rms'"):
     qtrain.ops.GradQuant(qtype="int8", calibration="rms", axis_names=("data",))
+  with pytest.raises(ValueError, match=r"OperandQuant.axis_names=\('m',\) with calibration "
+                                       r"'percentile'"):
+    qtrain.ops.OperandQuant(qtype="int8", calibration="percentile,99", axis_names=("m",))

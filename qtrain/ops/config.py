@@ -60,6 +60,10 @@ class OperandQuant:
     estimator: gradient estimator, see :mod:`qtrain.core.estimators`.
     scale_grad: gradient rule for a scale passed into the op (a learned
       scale): ``"lsq"`` or ``"bitorch"`` (binary only).
+    axis_names: inside ``jax.shard_map``, the mesh axes that split the axes this operand's
+      scales are reduced over (its contraction: a row-parallel layer's weight and input);
+      the scales are then the whole array's (see
+      :attr:`qtrain.core.qarray.QuantizeSpec.axis_names`). Empty: per shard.
   """
 
   qtype: object
@@ -68,6 +72,7 @@ class OperandQuant:
   tile_size: int | None = None
   estimator: str = "ste"
   scale_grad: str = "lsq"
+  axis_names: tuple[str, ...] = ()
 
   def __post_init__(self):
     object.__setattr__(self, "qtype", qtypes.get_qtype(self.qtype))
@@ -83,6 +88,12 @@ class OperandQuant:
       raise ValueError(f"scale_grad='bitorch' is binary's rule; qtype is {qt.name!r} (use 'lsq')")
     if self.calibration.is_asymmetric and qt.kind != "int":  # type: ignore[union-attr]
       raise ValueError(f"calibration 'minmax' needs an integer qtype, got qtype={qt.name!r}")
+    object.__setattr__(self, "axis_names",
+                       qarray.check_axis_names(self.axis_names, "OperandQuant.axis_names"))
+    if self.axis_names and self.calibration.method not in qarray.GLOBAL_METHODS:  # type: ignore[union-attr]
+      raise ValueError(f"OperandQuant.axis_names={self.axis_names!r} with calibration "
+                       f"{self.calibration.method!r}: a scale shared across shards needs one of "  # type: ignore[union-attr]
+                       f"{qarray.GLOBAL_METHODS}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

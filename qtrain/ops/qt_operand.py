@@ -87,6 +87,7 @@ def operand_spec(oq: cfg_lib.OperandQuant, ndim: int, channel_axes: tuple[int, .
       channelwise_axes=channel_axes if oq.channelwise else (),
       tiled_axes={tile_axis: oq.tile_size} if (oq.tile_size and tile_axis is not None) else {},
       calibration=oq.calibration,
+      axis_names=oq.axis_names,
   )
 
 
