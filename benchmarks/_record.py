@@ -563,16 +563,56 @@ def render_lora_step(recs: list[dict]) -> str:
   return "\n".join(lines + _runs_list("q", [used[s] for s in sorted(used)]))
 
 
+def scaling_anchor(mode: str, d: int, config: str, devices: int) -> str:
+  """The anchor of a weak-scaling row.
+
+  >>> scaling_anchor("dp", 1024, "qtrain_int8_hash", 8)
+  'w-dp-d1024-qtrain-int8-hash-x8'
+  """
+  return f"w-{mode}-d{d}-{slug(config)}-x{devices}"
+
+
+def render_scaling(recs: list[dict]) -> str:
+  """The weak-scaling table: one row per (mode, d_model, per-device batch, config, devices)."""
+  case = lambda r: (r["mode"], r["d_model"], r["batch_per_device"], r["config"], r["devices"])
+  latest = _latest(recs, case)
+  lines = ["## Weak scaling", "",
+           "`benchmarks/scaling.py`: lm_step.py's decoder trained on 1, 2, 4, ... devices of one "
+           "host with the same batch per device (`jax.jit` + `NamedSharding`; dp: replicated "
+           "parameters, fsdp: sharded ones). Each row is the latest run of that case; *scaling*: "
+           "tokens/s over the device count times the same config's tokens/s on one device in "
+           "that run; *vs bf16*: bf16's step time over this one's at the same device count.", ""]
+  used = {}
+  for mode, d, bpd in sorted({c[:3] for c in latest}):
+    cases = sorted((c for c in latest if c[:3] == (mode, d, bpd)),
+                   key=lambda c: (c[3] != "bf16", c[3], c[4]))
+    r0 = latest[cases[0]][0]
+    lines += [f"### {mode}, d_model = {d}: layers {r0['layers']}, seq {r0['seq']} x {bpd} per "
+              "device", "",
+              "| config | devices | ms/step | tokens/s | scaling | vs bf16 | run | date | device "
+              "| jax |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cases:
+      row, rec = latest[c]
+      used[rec["seq"]] = rec
+      lines.append(f"| {_anchor(scaling_anchor(mode, d, row['config'], row['devices']))}"
+                   f"{row['config']} | {row['devices']} | {row['ms']:.2f} | "
+                   f"{row['tokens_per_s']:,.0f} | {_pct(row.get('scaling'))} | "
+                   f"{_x(row.get('vs_bf16'))} | {_run_cells('w', rec)} |")
+    lines.append("")
+  return "\n".join(lines + _runs_list("w", [used[s] for s in sorted(used)]))
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {"kernels": render_kernels,
                                                    "train_step": render_train_step,
                                                    "lm_step": render_lm_step,
                                                    "conv_step": render_conv_step,
-                                                   "lora_step": render_lora_step}
+                                                   "lora_step": render_lora_step,
+                                                   "scaling": render_scaling}
 # What a table reads before its benchmark's first GPU run.
 _EMPTY = {"kernels": "## Kernels", "train_step": "## Training step",
           "lm_step": "## Language-model training step",
           "conv_step": "## Convolution training step",
-          "lora_step": "## LoRA / QLoRA fine-tuning step"}
+          "lora_step": "## LoRA / QLoRA fine-tuning step", "scaling": "## Weak scaling"}
 
 
 def _markers(benchmark: str) -> tuple[str, str]:

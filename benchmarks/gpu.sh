@@ -17,6 +17,7 @@
 #   conv            convolution table: a ResNet-18 step, 224x224, batch 64 (bf16, int8, binary)
 #   lm-loss         language-model held-out loss after 200 steps, d_model 1024, 3 seeds
 #                   (needs the text: .data/fortunes.txt or shared/data/text/fortunes.txt)
+#   scaling         weak scaling over every GPU of the host (a multi-GPU kind), data parallel
 #
 # Where the work tree has no .git, set QTRAIN_GIT_COMMIT to the commit it holds so the
 # records name it. qwix (for the qwix_* configs) is installed from a wheel in .whl/.
@@ -28,7 +29,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=.:/tmp/site
-[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,23p' "$0"; exit 2; }
 
 lm() {  # lm NAME ARGS...: one lm_step.py run, its log in $OUT/NAME.log
   local name=$1; shift
@@ -75,8 +76,11 @@ for part in "$@"; do
     lm-loss)
       lm lm_loss --widths 1024 --steps 10 --repeats 3 --loss-seeds 3 --loss-steps 200 \
         --configs bf16,qtrain_int8,qtrain_fp8,qtrain_w1a8,qtrain_int4w --budget-s 450 ;;
+    scaling)
+      timeout 570 python3 benchmarks/scaling.py --out-dir "$OUT" 2>&1 | grep -v Warn \
+        | tee "$OUT/scaling.log" | grep "^|\| ms/step \|FAIL\|record:" ;;
     *)
-      echo "unknown part '$part'; valid: tests kernels-mosaic kernels-triton kernels-large step4096 step1024 profile conv lm lm1024 lm2048 lm-loss"
+      echo "unknown part '$part'; valid: tests kernels-mosaic kernels-triton kernels-large step4096 step1024 profile conv lm lm1024 lm2048 lm-loss scaling"
       exit 2 ;;
   esac
 done

@@ -412,7 +412,10 @@ class Program:
   memory: dict | None
 
 
-def build_program(name: str, shape: Shape, optim: Optim, params, text: jax.Array) -> Program:
+def build_program(name: str, shape: Shape, optim: Optim, params, text: jax.Array, *,
+                  data_sharding=None) -> Program:
+  """``data_sharding``: a sharding the loop's token batches are constrained to (data
+  parallelism over several devices, benchmarks/scaling.py); None: as XLA places them."""
   model, stream = build(name, shape)
   tx = optim.tx()
 
@@ -428,6 +431,8 @@ def build_program(name: str, shape: Shape, optim: Optim, params, text: jax.Array
       p, s, key, _ = carry
       key, k_data, k_sr = jax.random.split(key, 3)
       tokens = sample_windows(text, k_data, shape.batch, shape.seq)
+      if data_sharding is not None:
+        tokens = jax.lax.with_sharding_constraint(tokens, data_sharding)
       loss, g = jax.value_and_grad(loss_fn)(p, tokens, k_sr)
       updates, s = tx.update(g, s, p)
       return optax.apply_updates(p, updates), s, key, loss

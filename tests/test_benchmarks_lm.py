@@ -131,3 +131,70 @@ def test_render_keeps_results_md_as_committed(tmp_path):
   _record.render_results(str(results), _record.RECORDS_DIR)
   with open(_record.RESULTS_MD) as f:
     assert results.read_text() == f.read()
+
+
+# ----------------------------------------------------------------------------
+# benchmarks/scaling.py
+
+
+@pytest.mark.slow
+def test_scaling_main_runs_on_two_fake_devices(tmp_path):
+  """scaling.py at tiny sizes on 2 fake CPU devices (a subprocess: the device count is set
+  before jax starts), both modes: one row per config and device count, the figures finite,
+  scaling 1 on one device, vs_bf16 1 for bf16."""
+  import subprocess
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]))
+  for mode in ("dp", "fsdp"):
+    out = tmp_path / mode
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "scaling.py"), "--width", "64",
+         "--layers", "1", "--seq", "32", "--batch-per-device", "2", "--steps", "2", "--repeats",
+         "1", "--text", "generated", "--configs", "bf16,qtrain_int8_hash", "--mode", mode,
+         "--out-dir", str(out), "--results", ""],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (name,) = os.listdir(out)
+    rec = json.loads((out / name).read_text())
+    assert rec["benchmark"] == "scaling" and rec["meta"]["mode"] == mode
+    rows = rec["rows"]
+    assert [(r["config"], r["devices"]) for r in rows] == [
+        ("bf16", 1), ("qtrain_int8_hash", 1), ("bf16", 2), ("qtrain_int8_hash", 2)]
+    for r in rows:
+      assert r.get("error") is None, r
+      assert r["batch"] == 2 * r["devices"] and r["tokens_per_step"] == 32 * r["batch"]
+      for field in ("ms", "tokens_per_s", "compile_s", "scaling", "vs_bf16"):
+        assert _finite_positive(r[field]), (field, r)
+      assert math.isfinite(r["timing_loss"])
+    assert rows[0]["scaling"] == rows[1]["scaling"] == 1.0 and rows[2]["vs_bf16"] == 1.0
+
+
+def test_scaling_table_renders_gpu_records(tmp_path):
+  records = tmp_path / "records"
+  records.mkdir()
+  row = lambda config, n, ms, scaling, vs: dict(
+      config=config, devices=n, mode="dp", d_model=1024, layers=8, seq=2048, batch=4 * n,
+      batch_per_device=4, tokens_per_step=8192 * n, ms=ms, tokens_per_s=8192 * n / (ms / 1e3),
+      compile_s=10.0, scaling=scaling, vs_bf16=vs)
+  rec = _gpu_record(1, [row("bf16", 1, 50.0, 1.0, 1.0), row("qtrain_int8_hash", 1, 40.0, 1.0, 1.25),
+                        row("bf16", 8, 55.0, 0.909, 1.0),
+                        row("qtrain_int8_hash", 8, 45.0, 0.889, 1.222)],
+                    "python3 benchmarks/scaling.py")
+  rec["benchmark"] = "scaling"
+  (records / "a.json").write_text(json.dumps(rec))
+  results = tmp_path / "RESULTS.md"
+  results.write_text("# Results\n")
+  _record.render_results(str(results), str(records), ["scaling"])
+  text = results.read_text()
+  assert "### dp, d_model = 1024: layers 8, seq 2048 x 4 per device" in text
+  line = next(l for l in text.splitlines() if 'id="w-dp-d1024-qtrain-int8-hash-x8"' in l)
+  cells = [c.strip() for c in line.split("|")[1:-1]]
+  assert cells[1:6] == ["8", "45.00", f"{8192 * 8 / 0.045:,.0f}", "89%", "1.22x"], cells
+  assert cells[6] == "[w1](records/a.json)"
+
+
+def test_scaling_docstrings():
+  from benchmarks import scaling
+  res = doctest.testmod(scaling, optionflags=doctest.ELLIPSIS)
+  assert res.failed == 0 and res.attempted > 0
