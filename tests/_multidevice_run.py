@@ -3,7 +3,8 @@ must be set before jax starts): trains a small quantized network (a 1-D conv, tw
 steps on one device, under ``jax.jit`` with ``NamedSharding`` (data-parallel, FSDP,
 tensor-parallel) and data-parallel under ``jax.shard_map``, with quantized and with float
 gradients (and round-to-nearest ones, the weight gradient's scales per shard or shared across the
-data axis), and prints one JSON object: the losses of each, and the collectives of each
+data axis), tensor parallelism under ``jax.shard_map``, and QLoRA (a frozen packed base with
+adapters) data parallel and FSDP, and prints one JSON object: the losses of each, and the collectives of each
 compiled step (op, result type).
 
   python tests/_multidevice_run.py N QTYPE     # QTYPE: int8 or fp8
@@ -114,6 +115,66 @@ def tensor_parallel(x, y, n_devices):
           "per_shard": train(False, True)}
 
 
+def qlora(x, y, data, step_collectives):
+  """QLoRA (int4 base weights frozen and packed, rank-4 adapters) trained 5 AdamW steps on one
+  device and data parallel (the batch split, the frozen layers replicated) and with the packed
+  words sharded too (FSDP of the frozen base): the losses, and the collectives of each step."""
+  from qtrain import freeze, lora
+
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(16, name="down")(nn.gelu(nn.Dense(64, name="up")(x)))
+
+  rule = qtrain.QtRule(module_path=".*", weight_qtype="int4", tile_size=8, lora_rank=4,
+                       lora_alpha=8.0)
+  provider = qtrain.QtProvider([rule])
+  v = qtrain.quantize_model(Mlp(), provider).init(jax.random.key(5), x)
+  frozen = freeze.freeze(v, provider)
+  adapters, rest = lora.split(frozen["variables"]["params"])
+  adapters = jax.tree.map(lambda a: a + 0.05, adapters)  # B = 0 would train A not at all at first
+  tx = optax.adamw(3e-3)
+
+  def step(ad, state, layers, x, y):
+    def loss(ad):
+      fv = {**frozen["variables"], "params": lora.combine(ad, rest)}
+      out = freeze.apply_frozen(Mlp(), {"layers": layers, "variables": fv}, x)
+      return jnp.mean((out - y) ** 2)
+    value, g = jax.value_and_grad(loss)(ad)
+    u, state = tx.update(g, state, ad)
+    return optax.apply_updates(ad, u), state, value
+
+  def run(mesh=None, shard_words=False):
+    ad, layers, xs, ys = adapters, frozen["layers"], x, y
+    if mesh is not None:
+      rep = NamedSharding(mesh, P())
+      ad = jax.device_put(ad, rep)
+      xs, ys = (jax.device_put(v, NamedSharding(mesh, P("data"))) for v in (x, y))
+      words = lambda w: NamedSharding(mesh, P("data", None) if shard_words else P())
+      layers = {k: jax.tree.map(lambda a: jax.device_put(a, words(a) if a.ndim == 2 else rep), l)
+                for k, l in layers.items()}
+    state = tx.init(ad)
+    f = jax.jit(step)
+    ops = step_collectives(f.lower(ad, state, layers, xs, ys).compile().as_text())
+    losses = []
+    for _ in range(5):
+      ad, state, value = f(ad, state, layers, xs, ys)
+      losses.append(float(value))
+    return {"losses": losses, "collectives": ops}
+
+  return {"single": run(), "dp": run(data), "fsdp": run(data, shard_words=True)}
+
+
+def collectives(text: str) -> list:
+  """(op, result type) of every collective in a compiled module's text."""
+  ops = []
+  for line in text.splitlines():
+    m = re.search(r"= (.+?) (" + "|".join(COLLECTIVES) + r")(?:-start)?\(", line)
+    if m:
+      ops.append([m.group(2), m.group(1)])
+  return ops
+
+
 def main():
   w, a, g = QTYPES[qtype]
   x = jax.random.normal(jax.random.key(0), (32, 6, 4))
@@ -167,12 +228,7 @@ def main():
       xs, ys = (jax.device_put(v, NamedSharding(mesh, data_spec)) for v in (x, y))
     s = tx.init(p)
     f = jax.jit(step)
-    text = f.lower(p, s, xs, ys, jax.random.key(3)).compile().as_text()
-    ops = []
-    for line in text.splitlines():
-      m = re.search(r"= (.+?) (" + "|".join(COLLECTIVES) + r")(?:-start)?\(", line)
-      if m:
-        ops.append([m.group(2), m.group(1)])
+    ops = collectives(f.lower(p, s, xs, ys, jax.random.key(3)).compile().as_text())
     losses = []
     for i in range(5):
       p, s, value = f(p, s, xs, ys, jax.random.fold_in(jax.random.key(3), i))
@@ -205,6 +261,7 @@ def main():
   params, loss = build(True, sr=None, names=("data",))
   out["single_nosr_global"] = run(params, step_fn(loss))
   out["tensor_parallel_shard_map"] = tensor_parallel(x.reshape(32, -1), y, n_devices)
+  out["qlora"] = qlora(x.reshape(32, -1), y, data, collectives)
   print(json.dumps(out))
 
 

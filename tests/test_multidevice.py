@@ -16,6 +16,8 @@ before jax starts) and compares with one device:
   and round-to-nearest training gives one device's losses.
 * ``jax.shard_map`` tensor-parallel (column-split, then row-split): the rules' axis-name
   fields share the scales whose reductions the split crosses; one device's losses.
+* QLoRA (a frozen, packed int4 base with adapters) data parallel and with the packed words
+  sharded: one device's losses.
 """
 
 from __future__ import annotations
@@ -97,6 +99,15 @@ def _check(out: dict, qtype: str) -> None:
   # and round-to-nearest int8 gradients: with the rules' axis-name fields (the row-parallel
   # layer's input and weight, the column-parallel layer's input gradient) one device's losses;
   # per shard, not.
+  # QLoRA (int4 packed base, rank-4 adapters, AdamW on the adapters) data parallel, and with
+  # the packed words sharded too: one device's losses; data parallel all-reduces the adapters'
+  # gradients and gathers nothing.
+  q = out["qlora"]
+  assert not q["single"]["collectives"]
+  for mode in ("dp", "fsdp"):
+    np.testing.assert_allclose(q[mode]["losses"], q["single"]["losses"], rtol=2e-6, err_msg=mode)
+  assert q["single"]["losses"][-1] < q["single"]["losses"][0]
+  assert [op for op, _ in q["dp"]["collectives"]] == ["all-reduce"], q["dp"]["collectives"]
   tp = out["tensor_parallel_shard_map"]
   np.testing.assert_allclose(tp["shared"], tp["single"], rtol=2e-6)
   per_shard, single = np.array(tp["per_shard"]), np.array(tp["single"])
