@@ -440,9 +440,12 @@ class FrozenOp(nnx.Module):
   """
 
   def __init__(self, layer: FrozenLayer, *, path: str, op_name: str, implementation: str = "auto",
-               adapter=None):
+               adapter=None, weight_quant=None):
     self.path = path
     self.op_name = op_name
+    # How the weight was quantized (an OperandQuant, static): what re-freezes it from other
+    # float weights (qtrain.qwix.quantize_params); None for layers loaded from older files.
+    self.weight_quant = _static(weight_quant)
     self.implementation = _frozen.check_implementation(implementation)
     self.deterministic = False
     if adapter is not None:  # (LoraA, LoraB, dropout RngStream or None): carried over as they are
@@ -539,7 +542,10 @@ def _freeze_nnx(model, provider=None):
     adapter = None
     if layer.lora is not None:
       adapter = (op.lora_a, op.lora_b, getattr(op, "lora_dropout_rng", None))
-    fop = FrozenOp(layer, path=op.path, op_name=op.op_name, adapter=adapter)
+    rule = op.provider.rules[rec.rule_index]
+    w_cfg = op.provider._operand(rule, weight=True, given_scale=False,
+                                 conv=rec.op_name == "conv_general_dilated")
+    fop = FrozenOp(layer, path=op.path, op_name=op.op_name, adapter=adapter, weight_quant=w_cfg)
     fop.deterministic = op.deterministic
     setattr(node, attr, _data(fop))
     setattr(node, layer.param, _static(Placeholder(layer.kernel_shape, layer.param_dtype)))

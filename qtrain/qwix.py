@@ -41,6 +41,7 @@ import dataclasses
 from typing import Any, Collection, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from qtrain import freeze as freeze_lib
@@ -301,12 +302,18 @@ def _frozen_of(variables: Mapping) -> dict:
 
 
 def quantize_params(params: Mapping, abstract_quantized_params, quant_stats: Mapping | None = None):
-  """qwix's ``quantize_params`` (linen): trained float ``params`` -> PTQ params.
+  """qwix's ``quantize_params``: trained float ``params`` -> PTQ params.
 
   Args:
-    params: the float (or QT-trained) model's ``params``.
-    abstract_quantized_params: the template, ``jax.eval_shape(ptq_model.init, key, x)["params"]``
-      (or ``ptq_model.init``'s own ``params``).
+    params: the float (or QT-trained) model's ``params`` (nnx: a pure dict,
+      ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``).
+    abstract_quantized_params: linen: the template,
+      ``jax.eval_shape(ptq_model.init, key, x)["params"]`` (or ``ptq_model.init``'s own
+      ``params``). nnx: the PTQ model, ``nnx.eval_shape`` of a function returning
+      ``quantize_model(model, PtqProvider(rules), x)``; the result is its state, for
+      ``nnx.update(model, state)``. (A layer with a static or learned input scale, or a LoRA
+      adapter, is frozen from the trained model with ``quantize_model`` instead: float
+      params do not hold that state.)
     quant_stats: the QT model's ``quant_stats``; needed where a rule keeps a static
       activation scale (it must have been calibrated: a QT forward in training mode).
 
@@ -314,14 +321,15 @@ def quantize_params(params: Mapping, abstract_quantized_params, quant_stats: Map
     PTQ params, the template's structure, for ``ptq_model.apply({"params": ...}, x)``.
 
   Raises:
-    ValueError: the template is not a PTQ template (nnx: freeze the trained model with
-      :func:`quantize_model` instead), a static scale that was never calibrated, a tree that
-      does not match the template (naming the first difference).
+    ValueError: the template is not a PTQ template, a static scale that was never calibrated,
+      a tree that does not match the template (naming the first difference).
   """
   if isinstance(abstract_quantized_params, nnx.Module):
-    raise ValueError("quantize_params(params, nnx model): qtrain freezes an nnx model from its "
-                     "own weights: quantize_model(trained_model, PtqProvider(rules), x) (the "
-                     "trained float or QT model; qwix's documented alternative)")
+    if quant_stats is not None:
+      raise ValueError("quantize_params(params, nnx model, quant_stats): static scales of an "
+                       "nnx model are carried over by quantize_model(qt_model, PtqProvider(rules),"
+                       " x) from the trained QT model; pass no quant_stats here")
+    return _quantize_params_nnx(params, abstract_quantized_params)
   node = (abstract_quantized_params.get(FROZEN_KEY)
           if isinstance(abstract_quantized_params, Mapping) else None)
   if not isinstance(node, _FrozenLayers):
@@ -354,6 +362,81 @@ def quantize_params(params: Mapping, abstract_quantized_params, quant_stats: Map
       raise ValueError(f"quantize_params: {jax.tree_util.keystr(path)} is {a.dtype}{a.shape}, "
                        f"the template's {b.dtype}{b.shape}")
   return out
+
+
+def _lookup(tree, path: tuple, what: str):
+  node = tree
+  for part in path:
+    if isinstance(node, Mapping):
+      key = part if part in node else (int(part) if str(part).isdigit() and int(part) in node
+                                       else None)
+      if key is not None:
+        node = node[key]
+        continue
+    raise ValueError(f"quantize_params: params hold no {'/'.join(map(str, path))!r} ({what}); "
+                     "pass the float model's nnx.to_pure_dict(nnx.state(model, nnx.Param))")
+  return node
+
+
+def _quantize_params_nnx(params: Mapping, model) -> nnx.State:
+  """The state of the PTQ nnx ``model`` (abstract: ``nnx.eval_shape``) filled from float
+  ``params`` (a pure dict): each frozen op's weight quantized and packed as freezing does, every
+  other value taken as it is. For ``nnx.update(model, state)``."""
+  state = nnx.state(model)
+  pure = nnx.to_pure_dict(state)
+  frozen_paths = {}
+  for path, _, attr, op in freeze_lib._nnx_hooks(model, freeze_lib.FrozenOp):
+    where = freeze_lib._where(op.path, f"{op.op_name}0")
+    spec, w_cfg = op.spec, op.weight_quant
+    if w_cfg is None:
+      raise ValueError(f"quantize_params: frozen layer {where!r} does not record how its weight "
+                       "was quantized (loaded from a file?): build the template with "
+                       "quantize_model(model, PtqProvider(rules), x)")
+    if spec.lora is not None:
+      raise ValueError(f"quantize_params: layer {where!r} keeps a LoRA adapter; freeze the "
+                       "trained model with quantize_model(model, PtqProvider(rules), x)")
+    if (spec.act_dict or {}).get("scale") == "given" or hasattr(op, "bias_a"):
+      raise ValueError(f"quantize_params: layer {where!r} keeps a calibrated or learned input "
+                       "scale, which float params do not hold: freeze the trained QT model with "
+                       "quantize_model(qt_model, PtqProvider(rules), x)")
+    owner = tuple(p for p in path.split("/") if p) if path else ()
+    kernel = jnp.asarray(_lookup(params, owner + (spec.param,), f"the weight of {where!r}"))
+    if tuple(kernel.shape) != tuple(spec.kernel_shape):
+      raise ValueError(f"quantize_params: {'/'.join(owner + (spec.param,))!r} has shape "
+                       f"{tuple(kernel.shape)}, the frozen layer {where!r} {spec.kernel_shape}")
+    kernel = kernel.astype(spec.weight_dtype)
+    fields = {f: getattr(spec, f) for f in _frozen.META_FIELDS
+              if f not in ("kind", "w_qtype", "k", "n", "kernel_shape", "group_size", "layout")}
+    fields.update(scale_a=None, bias_a=None, bias=None)
+    if spec.kind == "conv":
+      layer = _frozen.build_conv(kernel, rhs_spec=spec.layout, w_cfg=w_cfg, where=where, **fields)
+    else:
+      layer = _frozen.build_dot(kernel, contract=spec.layout[0], batch=spec.layout[1],
+                                w_cfg=w_cfg, where=where, **fields)
+    for f in _frozen.ARRAY_FIELDS:
+      if hasattr(op, f):
+        want = model_lib.variable_get(getattr(op, f))  # abstract under nnx.eval_shape
+        got = getattr(layer, f)
+        if got is None or got.shape != want.shape or got.dtype != want.dtype:
+          raise ValueError(f"quantize_params: layer {where!r}: {f} comes out "
+                           f"{None if got is None else (got.dtype, got.shape)}, the template's "
+                           f"{(want.dtype, want.shape)} (a tile across several contracting axes "
+                           "is not rebuilt here: freeze the model with quantize_model instead)")
+        frozen_paths[owner + (attr, f)] = got
+
+  def fill(node, prefix):
+    if isinstance(node, Mapping):
+      return {k: fill(v, prefix + (str(k),)) for k, v in node.items()}
+    if prefix in frozen_paths:
+      return frozen_paths[prefix]
+    value = jnp.asarray(_lookup(params, prefix, "a parameter of the PTQ model"))
+    if value.shape != node.shape:
+      raise ValueError(f"quantize_params: {'/'.join(prefix)!r} has shape {value.shape}, the "
+                       f"template's {node.shape}")
+    return value.astype(node.dtype)
+
+  nnx.replace_by_pure_dict(state, fill(pure, ()))
+  return state
 
 
 def _ptq_nnx(model, provider: PtqProvider, model_inputs, kwargs):
@@ -390,9 +473,10 @@ def quantize_model(model, provider: provider_lib.QtProvider | PtqProvider, *mode
 
   With a :class:`PtqProvider`: linen: a :class:`PtqModel`; nnx: a new model whose quantized
   ops run on frozen weights (:func:`qtrain.freeze.freeze`), from a float model (quantized and
-  run once on ``model_inputs``, which also calibrate static scales) or from a model quantized
-  by :func:`quantize_model` with a :class:`QtProvider` of the same rules (its trained state
-  carried over). The model passed in is left as it is.
+  run once on ``model_inputs``; a static scale is then not calibrated, and the frozen op takes
+  one per batch, as the QT op does before calibration) or from a model quantized by
+  :func:`quantize_model` with a :class:`QtProvider` of the same rules (its trained state,
+  calibrated static scales included, carried over). The model passed in is left as it is.
 
   qwix's ``call_method`` (other than ``"__call__"``) and ``skip_nnx_init`` raise.
   """

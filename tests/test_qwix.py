@@ -315,8 +315,43 @@ def test_nnx_ptq_from_qt_and_float_models_predicts_what_the_qt_forward_does():
   other = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8", act_qtype="int8")]
   with pytest.raises(ValueError, match="other rules"):
     qwix.quantize_model(qm, qwix.PtqProvider(other), x)
-  with pytest.raises(ValueError, match="nnx"):
+  with pytest.raises(ValueError, match=r"params hold no 'hidden/kernel'"):
     qwix.quantize_params({}, ptq)
+
+
+def test_nnx_ptq_from_an_abstract_model_and_float_params():
+  """qwix's nnx flow: the PTQ model from nnx.eval_shape (no weights computed), filled by
+  quantize_params(float pure dict, abstract model) and nnx.update: the predictions of the PTQ
+  model frozen from the float model itself, and of the QT forward, bit for bit (XLA path)."""
+  rules = [qwix.QuantizationRule(module_path=".*", weight_qtype="int4", act_qtype="int8")]
+  x = jax.random.normal(jax.random.key(0), (8, 16), jnp.float32)
+  create = lambda: qwix.quantize_model(_NnxMlp(nnx.Rngs(0)),
+                                       qwix.PtqProvider(rules, implementation="xla"), x)
+  abstract = nnx.eval_shape(create)
+  assert isinstance(nnx.to_pure_dict(nnx.state(abstract))["hidden"]["dot_general"]["words"],
+                    jax.ShapeDtypeStruct)
+  trained = _NnxMlp(nnx.Rngs(7))  # other weights than the template's
+  fp = nnx.to_pure_dict(nnx.state(trained, nnx.Param))
+  nnx.update(abstract, qwix.quantize_params(fp, abstract))
+  want = np.asarray(qwix.quantize_model(trained, qwix.QtProvider(rules), x)(x))
+  np.testing.assert_array_equal(np.asarray(abstract(x)), want)
+  frozen = qwix.quantize_model(trained, qwix.PtqProvider(rules, implementation="xla"), x)
+  np.testing.assert_array_equal(np.asarray(frozen(x)), want)
+  bad = jax.tree.map(lambda a: a, fp)
+  bad["out"]["kernel"] = jnp.ones((16, 4))
+  with pytest.raises(ValueError, match=r"'out/kernel' has shape \(16, 4\), the frozen layer "
+                                       r"'out .*' \(32, 4\)"):
+    qwix.quantize_params(bad, abstract)
+  with pytest.raises(ValueError, match="pass no quant_stats"):
+    qwix.quantize_params(fp, abstract, {})
+  static = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8", act_qtype="int8",
+                                  act_static_scale=True)]
+  qm = qwix.quantize_model(_NnxMlp(nnx.Rngs(0)), qwix.QtProvider(static), x)
+  qm(x)  # a training-mode forward calibrates the static scales
+  m = qwix.quantize_model(qm, qwix.PtqProvider(static), x)
+  assert m.hidden.dot_general.spec.act_dict["scale"] == "given"
+  with pytest.raises(ValueError, match="input scale, which float params do not hold"):
+    qwix.quantize_params(fp, m)
 
 
 @pytest.mark.gpu
