@@ -296,18 +296,17 @@ class QtRule:
         ("bwd_act_grad_axis_names", "bwd_qtype", "bwd_calibration_method"),
         ("weight_axis_names", "weight_qtype", "weight_calibration_method"),
         ("act_axis_names", "act_qtype", "act_calibration_method")):
+      cal = getattr(self, cname)
       try:
-        names = qarray.check_axis_names(getattr(self, field), field)
+        names = (qarray.shared_axis_names(getattr(self, field), cal, field)
+                 if isinstance(cal, qarray.Calibration) else
+                 qarray.check_axis_names(getattr(self, field), field))
       except ValueError as e:
-        errors.append(str(e))
+        errors.append(str(e).replace(" with calibration ", f" with {cname} "))
         continue
       object.__setattr__(self, field, names)
-      cal = getattr(self, cname)
       if names and getattr(self, qname) is None:
         errors.append(f"{field}={names!r} needs {qname} (it is None)")
-      elif names and isinstance(cal, qarray.Calibration) and cal.method not in qarray.GLOBAL_METHODS:
-        errors.append(f"{field}={names!r} with {cname} {cal.method!r}: a scale shared across "
-                      f"shards needs one of {qarray.GLOBAL_METHODS}")
     if self.act_axis_names and self.act_learnable_scale:
       errors.append(f"act_axis_names={self.act_axis_names!r} with act_learnable_scale: a learned "
                     "scale is a parameter, not calibrated (it is the same on every shard)")

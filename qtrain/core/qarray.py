@@ -241,10 +241,7 @@ class QuantizeSpec:
     if cal.is_asymmetric and qt.kind != "int":
       raise ValueError(
           f"calibration 'minmax' (asymmetric, zero point) needs an integer qtype, got {qt.name!r}")
-    object.__setattr__(self, "axis_names", check_axis_names(self.axis_names, "axis_names"))
-    if self.axis_names and cal.method not in GLOBAL_METHODS:
-      raise ValueError(f"axis_names={self.axis_names!r} with calibration {cal.method!r}: a scale "
-                       f"shared across shards needs one of {GLOBAL_METHODS}")
+    object.__setattr__(self, "axis_names", shared_axis_names(self.axis_names, cal, "axis_names"))
 
   def __hash__(self):
     return hash((self.qtype, self.channelwise_axes, tuple(sorted(self.tiled_axes.items())),
@@ -267,6 +264,16 @@ def check_axis_names(names, what: str) -> tuple[str, ...]:
   if out is None or not all(isinstance(n, str) and n for n in out) or len(set(out)) != len(out):
     raise ValueError(f"{what}={names!r} is not valid; valid: a tuple of distinct mesh axis "
                      "names, e.g. ('data',)")
+  return out
+
+
+def shared_axis_names(names, calibration: "Calibration", what: str) -> tuple[str, ...]:
+  """:func:`check_axis_names`, and a calibration whose bound over the whole array follows from
+  the shards' (one of :data:`GLOBAL_METHODS`) where any name is given."""
+  out = check_axis_names(names, what)
+  if out and calibration.method not in GLOBAL_METHODS:
+    raise ValueError(f"{what}={out!r} with calibration {calibration.method!r}: a scale shared "
+                     f"across shards needs one of {GLOBAL_METHODS}")
   return out
 
 

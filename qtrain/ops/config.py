@@ -88,12 +88,8 @@ class OperandQuant:
       raise ValueError(f"scale_grad='bitorch' is binary's rule; qtype is {qt.name!r} (use 'lsq')")
     if self.calibration.is_asymmetric and qt.kind != "int":  # type: ignore[union-attr]
       raise ValueError(f"calibration 'minmax' needs an integer qtype, got qtype={qt.name!r}")
-    object.__setattr__(self, "axis_names",
-                       qarray.check_axis_names(self.axis_names, "OperandQuant.axis_names"))
-    if self.axis_names and self.calibration.method not in qarray.GLOBAL_METHODS:  # type: ignore[union-attr]
-      raise ValueError(f"OperandQuant.axis_names={self.axis_names!r} with calibration "
-                       f"{self.calibration.method!r}: a scale shared across shards needs one of "  # type: ignore[union-attr]
-                       f"{qarray.GLOBAL_METHODS}")
+    object.__setattr__(self, "axis_names", qarray.shared_axis_names(
+        self.axis_names, self.calibration, "OperandQuant.axis_names"))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,12 +122,8 @@ class GradQuant:
     if self.qtype.kind in ("binary", "ternary"):  # type: ignore[union-attr]
       raise ValueError(f"GradQuant.qtype={self.qtype.name!r}: gradients need int2..int8 or fp8")
     rounding.check_stochastic_method(self.stochastic_rounding)
-    object.__setattr__(self, "axis_names",
-                       qarray.check_axis_names(self.axis_names, "GradQuant.axis_names"))
-    if self.axis_names and self.calibration.method not in qarray.GLOBAL_METHODS:  # type: ignore[union-attr]
-      raise ValueError(f"GradQuant.axis_names={self.axis_names!r} with calibration "
-                       f"{self.calibration.method!r}: a scale shared across shards needs one of "  # type: ignore[union-attr]
-                       f"{qarray.GLOBAL_METHODS}")
+    object.__setattr__(self, "axis_names", qarray.shared_axis_names(
+        self.axis_names, self.calibration, "GradQuant.axis_names"))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
