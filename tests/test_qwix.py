@@ -380,3 +380,21 @@ def test_ptq_on_the_packed_kernels_predicts_the_qt_forward_gpu(weight_qtype, imp
   bound = k * np.finfo(np.float32).eps * (xh @ w.T) + np.finfo(np.float32).eps * np.abs(ref)
   assert out.shape == ref.shape == (8, n)
   assert np.all(np.abs(out - ref) <= bound), float(np.max(np.abs(out - ref) / bound))
+
+
+def test_linen_ptq_params_save_and_restore_with_orbax(tmp_path):
+  """Offline quantization: PTQ params saved with orbax and restored into the abstract template
+  (jax.eval_shape of ptq_model.init) predict as before, bit for bit."""
+  import orbax.checkpoint as ocp
+  rules = [qwix.QuantizationRule(module_path=".*", weight_qtype="int4", act_qtype="int8")]
+  x = jax.random.normal(jax.random.key(0), (4, 16), jnp.float32)
+  ptq = qwix.quantize_model(_Mlp(), qwix.PtqProvider(rules, implementation="xla"))
+  abstract = jax.eval_shape(ptq.init, jax.random.key(0), x)["params"]
+  params = qwix.quantize_params(_Mlp().init(jax.random.key(3), x)["params"], abstract)
+  ck = ocp.StandardCheckpointer()
+  ck.save(str(tmp_path / "ptq"), params)
+  ck.wait_until_finished()
+  back = ck.restore(str(tmp_path / "ptq"), abstract)
+  assert jax.tree.structure(back) == jax.tree.structure(params)
+  np.testing.assert_array_equal(np.asarray(ptq.apply({"params": back}, x)),
+                                np.asarray(ptq.apply({"params": params}, x)))
