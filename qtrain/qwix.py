@@ -478,12 +478,24 @@ def quantize_model(model, provider: provider_lib.QtProvider | PtqProvider, *mode
   :func:`quantize_model` with a :class:`QtProvider` of the same rules (its trained state,
   calibrated static scales included, carried over). The model passed in is left as it is.
 
-  qwix's ``call_method`` (other than ``"__call__"``) and ``skip_nnx_init`` raise.
+  qwix's ``methods``: linen: qtrain quantizes the ops of every method of the model, so any
+  methods the model has are accepted (a name it lacks raises); nnx: ``("__call__",)`` only, as
+  qwix's nnx takes one method. ``call_method`` (other than ``"__call__"``) and
+  ``skip_nnx_init`` raise.
   """
   call_method = kwargs.pop("call_method", "__call__")
   if call_method != "__call__":
     raise ValueError(f"call_method={call_method!r}: qtrain intercepts the ops of every method "
                      "of the model; leave call_method at '__call__'")
+  methods = kwargs.pop("methods", ("__call__",))
+  methods = (methods,) if isinstance(methods, str) else tuple(methods)
+  if isinstance(model, nnx.Module) and methods != ("__call__",):
+    raise ValueError(f"methods={methods!r}: an nnx model is quantized through its __call__ "
+                     "(its sample forward); leave methods at ('__call__',)")
+  missing = [m for m in methods if not callable(getattr(model, m, None))]
+  if not methods or missing:
+    raise ValueError(f"methods={methods!r}: {type(model).__name__} has no method "
+                     f"{missing[0] if missing else '(none given)'!r}")
   if "skip_nnx_init" in kwargs:
     raise ValueError("skip_nnx_init: qtrain's nnx quantize_model runs the sample batch only when "
                      "one is given; pass no model inputs instead")

@@ -398,3 +398,37 @@ def test_linen_ptq_params_save_and_restore_with_orbax(tmp_path):
   assert jax.tree.structure(back) == jax.tree.structure(params)
   np.testing.assert_array_equal(np.asarray(ptq.apply({"params": back}, x)),
                                 np.asarray(ptq.apply({"params": params}, x)))
+
+
+def test_quantize_model_takes_qwix_methods():
+  """qwix's ``methods``: a linen model's ops are quantized in every method, so any of its
+  methods is accepted (the model then quantizes a second method's ops too); a name it lacks
+  raises; an nnx model takes ("__call__",) only."""
+
+  class TwoWays(nn.Module):
+    def setup(self):
+      self.proj = nn.Dense(4)
+
+    def __call__(self, x):
+      return self.proj(x)
+
+    def decode(self, x):
+      return self.proj(x) * 2
+
+  rules = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8")]
+  x = jax.random.normal(jax.random.key(0), (2, 8), jnp.float32)
+  model = qwix.quantize_model(TwoWays(), qwix.QtProvider(rules), methods=["__call__", "decode"])
+  v = model.init(jax.random.key(1), x)
+  float_out = TwoWays().apply(v, x, method="decode")
+  out = model.apply(v, x, method="decode")
+  np.testing.assert_array_equal(np.asarray(out), 2 * np.asarray(model.apply(v, x)))
+  assert not np.array_equal(np.asarray(out), np.asarray(float_out))  # quantized
+  np.testing.assert_array_equal(np.asarray(model.apply(v, x, method=TwoWays.decode)),
+                                np.asarray(out))
+  v2 = model.init(jax.random.key(1), x, method="decode")  # init through another method
+  assert jax.tree.structure(v2) == jax.tree.structure(v)
+  with pytest.raises(ValueError, match="TwoWays has no method 'encode'"):
+    qwix.quantize_model(TwoWays(), qwix.QtProvider(rules), methods=("encode",))
+  with pytest.raises(ValueError, match="nnx model is quantized through its __call__"):
+    qwix.quantize_model(_NnxMlp(nnx.Rngs(0)), qwix.QtProvider(rules), x[:, :1].repeat(16, 1),
+                        methods=("decode",))

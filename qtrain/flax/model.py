@@ -75,7 +75,9 @@ class QtLinenModel(nn.Module):
   """A linen model whose ops are quantized per ``provider`` (see :func:`quantize_model`).
 
   Shares the wrapped model's scope, so variables keep the float model's
-  paths. ``__call__`` forwards to ``model.__call__``.
+  paths. ``__call__`` forwards to ``model.__call__``; ``init`` / ``apply`` with
+  ``method=`` (a method name of the model, or a function taking the model, e.g.
+  ``Model.decode``) run it on the wrapped model, quantized the same way.
   """
 
   model: nn.Module
@@ -85,15 +87,41 @@ class QtLinenModel(nn.Module):
     nn.share_scope(self, self.model)
 
   def __call__(self, *args, **kwargs):
+    return self._run(lambda model: model(*args, **kwargs))
+
+  def _run(self, fn):
+    """``fn(model)`` on the wrapped model with its ops quantized."""
     own = tuple(self.path)
     top = _intercept.depth() == 0
     with _intercept.linen_scope(self.provider, rename=(own + ("model",), own)):
-      out = self.model(*args, **kwargs)
+      out = fn(self.model)
     if top and not self.provider.rules_checked:
       # Every op of the model has been seen (recorded) by the end of its first call.
       self.provider.warn_unused_rules_once(
           [(r.path, r.op_name) for r in self.provider.records()])
     return out
+
+  def _model_method(self, method):
+    """``method`` (flax's ``init`` / ``apply`` argument) as a function of this wrapper that runs
+    it on the wrapped model, quantized: a method name of the model, or a function taking the
+    model (``Model.decode``, ``lambda m, x: m.encode(x)``)."""
+    if method is None or method == "__call__":
+      return method
+    if isinstance(method, str):
+      if not callable(getattr(type(self.model), method, None)):
+        raise AttributeError(f"method={method!r}: {type(self.model).__name__} has no such method")
+      name = method
+      return lambda module, *args, **kwargs: module._run(
+          lambda model: getattr(model, name)(*args, **kwargs))
+    if not callable(method):
+      raise TypeError(f"method={method!r} is neither a method name nor a callable")
+    return lambda module, *args, **kwargs: module._run(lambda model: method(model, *args, **kwargs))
+
+  def init(self, rngs, *args, method=None, **kwargs):
+    return super().init(rngs, *args, method=self._model_method(method), **kwargs)
+
+  def apply(self, variables, *args, method=None, **kwargs):
+    return super().apply(variables, *args, method=self._model_method(method), **kwargs)
 
 
 # ---------------------------------------------------------------------------

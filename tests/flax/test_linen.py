@@ -180,6 +180,41 @@ class TestLayers:
         jax.tree.structure(jax.jit(model.init)(jax.random.key(0), X))
 
 
+class _Seq2Seq(nn.Module):
+  """A model used through two methods (encode, and __call__ on top of it)."""
+
+  def setup(self):
+    self.enc = nn.Dense(16)
+    self.dec = nn.Dense(8)
+
+  def encode(self, x):
+    return nn.relu(self.enc(x))
+
+  def __call__(self, x):
+    return self.dec(self.encode(x))
+
+
+class TestMethods:
+
+  def test_other_methods_are_quantized_through_apply_and_init(self):
+    """``apply(..., method=...)`` with another method of the model (its name, the class's
+    function, or a function taking the model) runs it quantized, as ``__call__`` is: the same
+    numbers as the QT op applied by hand; ``init`` through that method makes the variables it
+    needs; a name the model lacks raises, naming it."""
+    qm = qtrain.quantize_model(_Seq2Seq(), _rules(**W8A8))
+    v = qm.init(jax.random.key(1), X)
+    p = v["params"]["enc"]
+    want = jax.nn.relu(ops.dot_general_qt(X, p["kernel"], DN, _cfg()) + p["bias"])
+    for method in ("encode", _Seq2Seq.encode, lambda m, x: m.encode(x)):
+      got = qm.apply(v, X, method=method)
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert 0 < _rel(qm.apply(v, X, method="encode"), _Seq2Seq().apply(v, X, method="encode"))
+    v_enc = qm.init(jax.random.key(1), X, method="encode")
+    assert set(v_enc["params"]) == {"enc"}
+    with pytest.raises(AttributeError, match="method='decode': _Seq2Seq has no such method"):
+      qm.apply(v, X, method="decode")
+
+
 class Block(nn.Module):
   @nn.compact
   def __call__(self, x, _=None):
