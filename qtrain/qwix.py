@@ -448,7 +448,11 @@ def _ptq_nnx(model, provider: PtqProvider, model_inputs, kwargs):
                          "quantized with other rules than the PtqProvider's; pass the rules the "
                          "model was trained with")
     if model_inputs or kwargs:
-      model(*model_inputs, **kwargs)  # records ops that have not run yet
+      # Records ops that have not run yet, on a copy that does not calibrate: the model passed
+      # in keeps its state, and what is frozen is that state.
+      probe = nnx.clone(model)
+      model_lib.set_calibrate(probe, False)
+      probe(*model_inputs, **kwargs)
     frozen = freeze_lib.freeze(model)
   else:
     if not model_inputs and not kwargs:

@@ -348,8 +348,15 @@ def test_nnx_ptq_from_an_abstract_model_and_float_params():
                                   act_static_scale=True)]
   qm = qwix.quantize_model(_NnxMlp(nnx.Rngs(0)), qwix.QtProvider(static), x)
   qm(x)  # a training-mode forward calibrates the static scales
-  m = qwix.quantize_model(qm, qwix.PtqProvider(static), x)
+  before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(qm)))
+  m = qwix.quantize_model(qm, qwix.PtqProvider(static), 2 * x)
   assert m.hidden.dot_general.spec.act_dict["scale"] == "given"
+  # The QT model passed in keeps its state (its sample forward calibrates nothing), and the
+  # frozen input scale is the one it had.
+  after = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(qm)))
+  jax.tree.map(np.testing.assert_array_equal, after, before)
+  np.testing.assert_array_equal(np.asarray(m.hidden.dot_general.scale_a[...]).reshape(()),
+                                np.asarray(qm.hidden.dot_general.act_static_scale[...]).reshape(()))
   with pytest.raises(ValueError, match="input scale, which float params do not hold"):
     qwix.quantize_params(fp, m)
 
