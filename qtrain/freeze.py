@@ -253,6 +253,12 @@ def _freeze_layers(variables, rules) -> dict:
 # Freezing ops from the provider's records (linen and nnx).
 
 
+def _weight_quant(rec, provider):
+  """The OperandQuant the QT op quantized its weight with (what freezing quantizes it with)."""
+  return provider._operand(provider.rules[rec.rule_index], weight=True, given_scale=False,
+                           conv=rec.op_name == "conv_general_dilated")
+
+
 def _from_record(rec, provider, module_params: Mapping, state: Mapping, where: str, *,
                  static: str = "count") -> FrozenLayer:
   """The FrozenLayer of one op the provider recorded as quantized.
@@ -298,7 +304,7 @@ def _from_record(rec, provider, module_params: Mapping, state: Mapping, where: s
                 weight_operand=w_idx, weight_dtype=dtypes[w_idx], param=name,
                 param_dtype=jnp.dtype(raw.dtype).name, op_id=rec.op_id, op_name=rec.op_name,
                 lora=_frozen.lora_meta(rule))
-  w_cfg = provider._operand(rule, weight=True, given_scale=False, conv=conv)
+  w_cfg = _weight_quant(rec, provider)
   kernel = jnp.asarray(raw).astype(dtypes[w_idx])  # the module's cast, as the op saw it
   if conv:
     return _frozen.build_conv(kernel, rhs_spec=rhs_spec, w_cfg=w_cfg, where=where, **fields)
@@ -462,6 +468,52 @@ class FrozenOp(nnx.Module):
     arrays = {f: getattr(self, f)[...] for f in _ARRAY_FIELDS if hasattr(self, f)}
     return dataclasses.replace(self.spec, **arrays)
 
+  def refreeze(self, kernel) -> FrozenLayer:
+    """This op's layer frozen anew from another float weight ``kernel`` (the parameter, as the
+    module holds it): the same quantization, layout and metadata; the arrays' shapes and
+    dtypes are this op's (which may be abstract, ``nnx.eval_shape``'s).
+
+    Raises:
+      ValueError: naming the layer, where float weights cannot give the layer: it records no
+        weight quantization (loaded from a file), keeps a LoRA adapter or input-scale state
+        (calibrated, learned), or the kernel's shape differs.
+    """
+    spec, where = self.spec, _where(self.path, f"{self.op_name}0")
+    if self.weight_quant is None:
+      raise ValueError(f"frozen layer {where!r} does not record how its weight was quantized "
+                       "(loaded from a file?): freeze it from the quantized model instead")
+    if spec.lora is not None:
+      raise ValueError(f"frozen layer {where!r} keeps a LoRA adapter, which a float weight does "
+                       "not give: freeze the trained model instead")
+    if (spec.act_dict or {}).get("scale") == "given" or hasattr(self, "bias_a"):
+      raise ValueError(f"frozen layer {where!r} keeps a calibrated or learned input scale, which "
+                       "float params do not hold: freeze the trained QT model instead")
+    kernel = jnp.asarray(kernel)
+    if tuple(kernel.shape) != tuple(spec.kernel_shape):
+      param = "/".join([p for p in self.path.split("/") if p] + [spec.param])
+      raise ValueError(f"{param!r} has shape {tuple(kernel.shape)}, the frozen layer {where!r} "
+                       f"{spec.kernel_shape}")
+    kernel = kernel.astype(spec.weight_dtype)
+    fields = {f: getattr(spec, f) for f in _frozen.META_FIELDS
+              if f not in ("kind", "w_qtype", "k", "n", "kernel_shape", "group_size", "layout")}
+    fields.update(scale_a=None, bias_a=None, bias=None)
+    if spec.kind == "conv":
+      layer = _frozen.build_conv(kernel, rhs_spec=spec.layout, w_cfg=self.weight_quant,
+                                 where=where, **fields)
+    else:
+      layer = _frozen.build_dot(kernel, contract=spec.layout[0], batch=spec.layout[1],
+                                w_cfg=self.weight_quant, where=where, **fields)
+    for f in _ARRAY_FIELDS:
+      want = variable_get(getattr(self, f)) if hasattr(self, f) else None
+      got = getattr(layer, f)
+      if (want is None) != (got is None) or (
+          want is not None and (got.shape != want.shape or got.dtype != want.dtype)):
+        raise ValueError(f"frozen layer {where!r}: {f} comes out "
+                         f"{None if got is None else (got.dtype, got.shape)}, the layer's "
+                         f"{None if want is None else (want.dtype, want.shape)} (a tile across "
+                         "several contracting axes is not rebuilt here: freeze the model instead)")
+    return layer
+
   def __call__(self, *args, **kwargs):
     if kwargs.pop("out_sharding", None) is not None:
       raise NotImplementedError(f"frozen layer {_where(self.path)!r}: out_sharding is not "
@@ -542,10 +594,8 @@ def _freeze_nnx(model, provider=None):
     adapter = None
     if layer.lora is not None:
       adapter = (op.lora_a, op.lora_b, getattr(op, "lora_dropout_rng", None))
-    rule = op.provider.rules[rec.rule_index]
-    w_cfg = op.provider._operand(rule, weight=True, given_scale=False,
-                                 conv=rec.op_name == "conv_general_dilated")
-    fop = FrozenOp(layer, path=op.path, op_name=op.op_name, adapter=adapter, weight_quant=w_cfg)
+    fop = FrozenOp(layer, path=op.path, op_name=op.op_name, adapter=adapter,
+                   weight_quant=_weight_quant(rec, op.provider))
     fop.deterministic = op.deterministic
     setattr(node, attr, _data(fop))
     setattr(node, layer.param, _static(Placeholder(layer.kernel_shape, layer.param_dtype)))

@@ -386,43 +386,17 @@ def _quantize_params_nnx(params: Mapping, model) -> nnx.State:
   pure = nnx.to_pure_dict(state)
   frozen_paths = {}
   for path, _, attr, op in freeze_lib._nnx_hooks(model, freeze_lib.FrozenOp):
-    where = freeze_lib._where(op.path, f"{op.op_name}0")
-    spec, w_cfg = op.spec, op.weight_quant
-    if w_cfg is None:
-      raise ValueError(f"quantize_params: frozen layer {where!r} does not record how its weight "
-                       "was quantized (loaded from a file?): build the template with "
-                       "quantize_model(model, PtqProvider(rules), x)")
-    if spec.lora is not None:
-      raise ValueError(f"quantize_params: layer {where!r} keeps a LoRA adapter; freeze the "
-                       "trained model with quantize_model(model, PtqProvider(rules), x)")
-    if (spec.act_dict or {}).get("scale") == "given" or hasattr(op, "bias_a"):
-      raise ValueError(f"quantize_params: layer {where!r} keeps a calibrated or learned input "
-                       "scale, which float params do not hold: freeze the trained QT model with "
-                       "quantize_model(qt_model, PtqProvider(rules), x)")
     owner = tuple(p for p in path.split("/") if p) if path else ()
-    kernel = jnp.asarray(_lookup(params, owner + (spec.param,), f"the weight of {where!r}"))
-    if tuple(kernel.shape) != tuple(spec.kernel_shape):
-      raise ValueError(f"quantize_params: {'/'.join(owner + (spec.param,))!r} has shape "
-                       f"{tuple(kernel.shape)}, the frozen layer {where!r} {spec.kernel_shape}")
-    kernel = kernel.astype(spec.weight_dtype)
-    fields = {f: getattr(spec, f) for f in _frozen.META_FIELDS
-              if f not in ("kind", "w_qtype", "k", "n", "kernel_shape", "group_size", "layout")}
-    fields.update(scale_a=None, bias_a=None, bias=None)
-    if spec.kind == "conv":
-      layer = _frozen.build_conv(kernel, rhs_spec=spec.layout, w_cfg=w_cfg, where=where, **fields)
-    else:
-      layer = _frozen.build_dot(kernel, contract=spec.layout[0], batch=spec.layout[1],
-                                w_cfg=w_cfg, where=where, **fields)
+    name = op.spec.param
+    kernel = _lookup(params, owner + (name,), f"the weight of {'/'.join(owner) or 'the root'!r}")
+    try:
+      layer = op.refreeze(kernel)
+    except ValueError as e:
+      raise ValueError(f"quantize_params: {e}; for such layers use quantize_model(trained_model, "
+                       "PtqProvider(rules), x)") from None
     for f in _frozen.ARRAY_FIELDS:
-      if hasattr(op, f):
-        want = model_lib.variable_get(getattr(op, f))  # abstract under nnx.eval_shape
-        got = getattr(layer, f)
-        if got is None or got.shape != want.shape or got.dtype != want.dtype:
-          raise ValueError(f"quantize_params: layer {where!r}: {f} comes out "
-                           f"{None if got is None else (got.dtype, got.shape)}, the template's "
-                           f"{(want.dtype, want.shape)} (a tile across several contracting axes "
-                           "is not rebuilt here: freeze the model with quantize_model instead)")
-        frozen_paths[owner + (attr, f)] = got
+      if getattr(layer, f) is not None:
+        frozen_paths[owner + (attr, f)] = getattr(layer, f)
 
   def fill(node, prefix):
     if isinstance(node, Mapping):

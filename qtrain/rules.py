@@ -298,11 +298,11 @@ class QtRule:
         ("act_axis_names", "act_qtype", "act_calibration_method")):
       cal = getattr(self, cname)
       try:
-        names = (qarray.shared_axis_names(getattr(self, field), cal, field)
-                 if isinstance(cal, qarray.Calibration) else
+        names = (qarray.shared_axis_names(getattr(self, field), cal, field, cname)
+                 if isinstance(cal, qarray.Calibration) else  # invalid: reported above
                  qarray.check_axis_names(getattr(self, field), field))
       except ValueError as e:
-        errors.append(str(e).replace(" with calibration ", f" with {cname} "))
+        errors.append(str(e))
         continue
       object.__setattr__(self, field, names)
       if names and getattr(self, qname) is None:

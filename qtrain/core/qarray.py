@@ -267,13 +267,15 @@ def check_axis_names(names, what: str) -> tuple[str, ...]:
   return out
 
 
-def shared_axis_names(names, calibration: "Calibration", what: str) -> tuple[str, ...]:
+def shared_axis_names(names, calibration: "Calibration", what: str,
+                      calibration_name: str = "calibration") -> tuple[str, ...]:
   """:func:`check_axis_names`, and a calibration whose bound over the whole array follows from
-  the shards' (one of :data:`GLOBAL_METHODS`) where any name is given."""
+  the shards' (one of :data:`GLOBAL_METHODS`) where any name is given; the error names the
+  calibration as ``calibration_name``."""
   out = check_axis_names(names, what)
   if out and calibration.method not in GLOBAL_METHODS:
-    raise ValueError(f"{what}={out!r} with calibration {calibration.method!r}: a scale shared "
-                     f"across shards needs one of {GLOBAL_METHODS}")
+    raise ValueError(f"{what}={out!r} with {calibration_name} {calibration.method!r}: a scale "
+                     f"shared across shards needs one of {GLOBAL_METHODS}")
   return out
 
 
