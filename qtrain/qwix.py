@@ -301,35 +301,44 @@ def _frozen_of(variables: Mapping) -> dict:
   return {"layers": params[FROZEN_KEY].layers, "variables": {**variables, "params": rest}}
 
 
-def quantize_params(params: Mapping, abstract_quantized_params, quant_stats: Mapping | None = None):
+def quantize_params(params: Mapping, abstract_quantized_params, quant_stats: Mapping | None = None,
+                    *, allow_extra_params: bool = False):
   """qwix's ``quantize_params``: trained float ``params`` -> PTQ params.
 
   Args:
     params: the float (or QT-trained) model's ``params`` (nnx: a pure dict,
-      ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``).
+      ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``). linen also takes the whole
+      variables (``{"params": ...}``) with a template of whole variables.
     abstract_quantized_params: linen: the template,
       ``jax.eval_shape(ptq_model.init, key, x)["params"]`` (or ``ptq_model.init``'s own
-      ``params``). nnx: the PTQ model, ``nnx.eval_shape`` of a function returning
+      ``params``, or the whole variables of either). nnx: the PTQ model, ``nnx.eval_shape`` of a
+      function returning
       ``quantize_model(model, PtqProvider(rules), x)``; the result is its state, for
       ``nnx.update(model, state)``. (A layer with a static or learned input scale, or a LoRA
       adapter, is frozen from the trained model with ``quantize_model`` instead: float
       params do not hold that state.)
     quant_stats: the QT model's ``quant_stats``; needed where a rule keeps a static
       activation scale (it must have been calibrated: a QT forward in training mode).
+    allow_extra_params: as in qwix: params the template has no place for (a loss head the
+      served method never calls, say) are dropped instead of raising.
 
   Returns:
-    PTQ params, the template's structure, for ``ptq_model.apply({"params": ...}, x)``.
+    PTQ params, the template's structure, for ``ptq_model.apply({"params": ...}, x)`` (whole
+    variables where whole variables were given).
 
   Raises:
     ValueError: the template is not a PTQ template, a static scale that was never calibrated,
-      a tree that does not match the template (naming the first difference).
+      a tree that does not match the template (naming the first difference), params the template
+      has no place for (naming them) without ``allow_extra_params``.
   """
   if isinstance(abstract_quantized_params, nnx.Module):
     if quant_stats is not None:
       raise ValueError("quantize_params(params, nnx model, quant_stats): static scales of an "
                        "nnx model are carried over by quantize_model(qt_model, PtqProvider(rules),"
                        " x) from the trained QT model; pass no quant_stats here")
-    return _quantize_params_nnx(params, abstract_quantized_params)
+    return _quantize_params_nnx(params, abstract_quantized_params, allow_extra_params)
+  if _is_variables_template(abstract_quantized_params):
+    return _quantize_variables(params, abstract_quantized_params, quant_stats, allow_extra_params)
   node = (abstract_quantized_params.get(FROZEN_KEY)
           if isinstance(abstract_quantized_params, Mapping) else None)
   if not isinstance(node, _FrozenLayers):
@@ -349,6 +358,12 @@ def quantize_params(params: Mapping, abstract_quantized_params, quant_stats: Map
                        "quant_stats says it was never calibrated (count 0): run the QT model in "
                        "training mode on data first, and pass its quant_stats")
   out = _ptq_variables(frozen, provider)["params"]
+  extra = _extra_paths(out, abstract_quantized_params)
+  if extra and not allow_extra_params:
+    raise ValueError(f"quantize_params: params the template has no place for: {extra[:6]}"
+                     f"{' ...' if len(extra) > 6 else ''}; pass allow_extra_params=True to drop "
+                     "them (params the PTQ model never uses)")
+  out = _prune(out, abstract_quantized_params)
   got_tree, want_tree = jax.tree.structure(out), jax.tree.structure(abstract_quantized_params)
   if got_tree != want_tree:
     got = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(out)}
@@ -362,6 +377,52 @@ def quantize_params(params: Mapping, abstract_quantized_params, quant_stats: Map
       raise ValueError(f"quantize_params: {jax.tree_util.keystr(path)} is {a.dtype}{a.shape}, "
                        f"the template's {b.dtype}{b.shape}")
   return out
+
+
+def _is_variables_template(template) -> bool:
+  """Whether ``template`` is whole PTQ variables (``{"params": {..., FROZEN_KEY: ...}, ...}``)."""
+  return (isinstance(template, Mapping) and FROZEN_KEY not in template
+          and isinstance(template.get("params"), Mapping) and FROZEN_KEY in template["params"])
+
+
+def _quantize_variables(variables, template: Mapping, quant_stats, allow_extra_params: bool) -> dict:
+  """quantize_params over whole variables: ``params`` quantized, the template's other
+  collections taken from ``variables`` as they are."""
+  if not isinstance(variables, Mapping) or not isinstance(variables.get("params"), Mapping):
+    raise ValueError("quantize_params: the template is whole variables ({'params': ...}), so "
+                     "params must be too; got "
+                     f"{sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__}")
+  missing = [c for c in template if c != "params" and c not in variables]
+  extra = [c for c in variables if c not in template]
+  if missing:
+    raise ValueError(f"quantize_params: the variables lack the template's collections {missing}")
+  if extra and not allow_extra_params:
+    raise ValueError(f"quantize_params: collections the template has no place for: {extra}; pass "
+                     "allow_extra_params=True to drop them")
+  out = {c: variables[c] for c in template if c != "params"}
+  out["params"] = quantize_params(variables["params"], template["params"], quant_stats,
+                                  allow_extra_params=allow_extra_params)
+  return out
+
+
+def _extra_paths(tree: Mapping, template: Mapping, prefix: str = "") -> list[str]:
+  """The '/'-joined paths of ``tree``'s entries that ``template`` has no key for."""
+  out = []
+  for k, v in tree.items():
+    if k == FROZEN_KEY:
+      continue
+    if k not in template:
+      out.append(f"{prefix}{k}")
+    elif isinstance(v, Mapping) and isinstance(template[k], Mapping):
+      out += _extra_paths(v, template[k], f"{prefix}{k}/")
+  return out
+
+
+def _prune(tree: Mapping, template: Mapping) -> dict:
+  """``tree`` without the entries ``template`` has no key for."""
+  return {k: (_prune(v, template[k]) if k != FROZEN_KEY and isinstance(v, Mapping)
+              and isinstance(template[k], Mapping) else v)
+          for k, v in tree.items() if k in template}
 
 
 def _lookup(tree, path: tuple, what: str):
@@ -378,16 +439,24 @@ def _lookup(tree, path: tuple, what: str):
   return node
 
 
-def _quantize_params_nnx(params: Mapping, model) -> nnx.State:
+def _leaf_paths(tree, prefix: tuple = ()) -> list[tuple[str, ...]]:
+  if not isinstance(tree, Mapping):
+    return [prefix]
+  return [p for k, v in tree.items() for p in _leaf_paths(v, prefix + (str(k),))]
+
+
+def _quantize_params_nnx(params: Mapping, model, allow_extra_params: bool = False) -> nnx.State:
   """The state of the PTQ nnx ``model`` (abstract: ``nnx.eval_shape``) filled from float
   ``params`` (a pure dict): each frozen op's weight quantized and packed as freezing does, every
   other value taken as it is. For ``nnx.update(model, state)``."""
   state = nnx.state(model)
   pure = nnx.to_pure_dict(state)
   frozen_paths = {}
+  used = set()
   for path, _, attr, op in freeze_lib._nnx_hooks(model, freeze_lib.FrozenOp):
     owner = tuple(p for p in path.split("/") if p) if path else ()
     name = op.spec.param
+    used.add(owner + (name,))
     kernel = _lookup(params, owner + (name,), f"the weight of {'/'.join(owner) or 'the root'!r}")
     try:
       layer = op.refreeze(kernel)
@@ -403,13 +472,20 @@ def _quantize_params_nnx(params: Mapping, model) -> nnx.State:
       return {k: fill(v, prefix + (str(k),)) for k, v in node.items()}
     if prefix in frozen_paths:
       return frozen_paths[prefix]
+    used.add(prefix)
     value = jnp.asarray(_lookup(params, prefix, "a parameter of the PTQ model"))
     if value.shape != node.shape:
       raise ValueError(f"quantize_params: {'/'.join(prefix)!r} has shape {value.shape}, the "
                        f"template's {node.shape}")
     return value.astype(node.dtype)
 
-  nnx.replace_by_pure_dict(state, fill(pure, ()))
+  filled = fill(pure, ())
+  extra = ["/".join(p) for p in _leaf_paths(params) if p not in used]
+  if extra and not allow_extra_params:
+    raise ValueError(f"quantize_params: params the PTQ model has no place for: {extra[:6]}"
+                     f"{' ...' if len(extra) > 6 else ''}; pass allow_extra_params=True to drop "
+                     "them (params the PTQ model never uses)")
+  nnx.replace_by_pure_dict(state, filled)
   return state
 
 

@@ -276,7 +276,7 @@ def test_linen_ptq_errors_name_what_is_wrong():
   with pytest.raises(ValueError, match=r"'hidden .*'.*weight's shape \(16, 32\).*\(8, 32\)"):
     qwix.quantize_params(narrow["params"], abstract)
   extra = {**v["params"], "head": {"kernel": jnp.ones((4, 2))}}
-  with pytest.raises(ValueError, match=r"do not match the template.*unexpected.*'head'"):
+  with pytest.raises(ValueError, match=r"no place for.*'head'"):
     qwix.quantize_params(extra, abstract, jax.tree.map(jnp.ones_like, v["quant_stats"]))
   with pytest.raises(ValueError, match="PTQ variables"):
     ptq.apply(v, x)
@@ -439,3 +439,80 @@ def test_quantize_model_takes_qwix_methods():
   with pytest.raises(ValueError, match="nnx model is quantized through its __call__"):
     qwix.quantize_model(_NnxMlp(nnx.Rngs(0)), qwix.QtProvider(rules), x[:, :1].repeat(16, 1),
                         methods=("decode",))
+
+
+def test_ptq_and_qt_models_export_with_a_symbolic_batch():
+  """jax.export with a shape variable for the batch (qwix's symbolic-export flow): the exported
+  PTQ / QT forward computes, at each concrete batch size, what the model's apply does (the
+  product runs on XLA for every size: kernels plan on concrete shapes)."""
+  from jax import export
+  rules = [qwix.QtRule(module_path=".*", weight_qtype=jnp.int8, act_qtype=jnp.int8, tile_size=4)]
+  ptq = qwix.quantize_model(nn.Dense(5), qwix.PtqProvider(rules))
+  qt = qwix.quantize_model(nn.Dense(5), qwix.QtProvider(rules))
+  x = jax.random.normal(jax.random.key(0), (16, 32), jnp.float32)
+  (b,) = export.symbolic_shape("b")
+  spec = jax.ShapeDtypeStruct((b, 32), jnp.float32)
+  qt_vars = qt.init(jax.random.key(1), x)
+  fp = np.asarray(nn.Dense(5).apply(qt_vars, x))
+  for model in (ptq, qt):
+    v = model.init(jax.random.key(1), x)  # the same float kernel for both
+    exp = export.export(jax.jit(model.apply))(v, spec)
+    assert exp.out_avals[0].shape == (b, 5)
+    for n in (3, 16):
+      got = np.asarray(exp.call(v, x[:n]))
+      np.testing.assert_allclose(got, np.asarray(qt.apply(qt_vars, x[:n])), rtol=1e-6, atol=1e-6)
+      np.testing.assert_allclose(got, fp[:n], atol=0.05 * np.abs(fp).max())
+      assert not np.array_equal(got, fp[:n])
+
+
+def test_quantize_params_allow_extra_params_drops_what_the_ptq_model_never_uses():
+  """qwix's allow_extra_params: params the PTQ template has no place for (a loss head the served
+  method never calls) raise, naming them, unless allowed, and are then dropped; whole variables
+  with a whole-variables template work as params with a params template."""
+
+  class WithLoss(nn.Module):
+    def setup(self):
+      self.body = nn.Dense(8)
+      self.loss_head = nn.Dense(1)
+
+    def __call__(self, x):
+      return self.body(x)
+
+    def loss(self, x):
+      return self.loss_head(self(x)).mean()
+
+  rules = [qwix.QuantizationRule(weight_qtype=jnp.int8, act_qtype=jnp.int8)]
+  x = jax.random.normal(jax.random.key(0), (4, 16), jnp.float32)
+  variables = WithLoss().init(jax.random.key(1), x, method="loss")
+  ptq = qwix.quantize_model(WithLoss(), qwix.PtqProvider(rules, implementation="xla"),
+                            methods=["__call__"])
+  abstract = jax.eval_shape(ptq.init, jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"no place for: \['loss_head'\].*allow_extra_params"):
+    qwix.quantize_params(variables["params"], abstract["params"])
+  with pytest.raises(ValueError, match=r"no place for: \['loss_head'\]"):
+    qwix.quantize_params(variables, abstract)
+  params = qwix.quantize_params(variables["params"], abstract["params"], allow_extra_params=True)
+  whole = qwix.quantize_params(variables, abstract, allow_extra_params=True)
+  assert "loss_head" not in params and sorted(whole) == ["params"]
+  _assert_same(params, whole["params"])
+  # The served forward is the QT forward of the same weights.
+  qt = qwix.quantize_model(WithLoss(), qwix.QtProvider(rules))
+  want = np.asarray(qt.apply(variables, x))
+  np.testing.assert_array_equal(np.asarray(ptq.apply(whole, x)), want)
+  fp = np.asarray(WithLoss().apply(variables, x))
+  np.testing.assert_allclose(want, fp, atol=0.05 * np.abs(fp).max())
+  assert not np.array_equal(want, fp)
+
+
+def test_nnx_quantize_params_extra_params_raise_unless_allowed():
+  x = jax.random.normal(jax.random.key(0), (4, 16), jnp.float32)
+  rules = [qwix.QuantizationRule(weight_qtype=jnp.int8)]
+  fp = _NnxMlp(nnx.Rngs(0))
+  abstract = nnx.eval_shape(lambda: qwix.quantize_model(fp, qwix.PtqProvider(rules), x))
+  params = nnx.to_pure_dict(nnx.state(fp, nnx.Param))
+  params["head"] = {"kernel": jnp.ones((4, 2))}
+  with pytest.raises(ValueError, match=r"no place for: \['head/kernel'\]"):
+    qwix.quantize_params(params, abstract)
+  nnx.update(abstract, qwix.quantize_params(params, abstract, allow_extra_params=True))
+  want = qwix.quantize_model(fp, qwix.PtqProvider(rules), x)
+  np.testing.assert_array_equal(np.asarray(abstract(x)), np.asarray(want(x)))

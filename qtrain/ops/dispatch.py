@@ -117,6 +117,10 @@ def _forced(name: str, call: _base.DotCall) -> jax.Array:
   return backend.run(plan)
 
 
+def _symbolic(shape) -> bool:
+  return any(jax.export.is_symbolic_dim(d) for d in shape)
+
+
 def _auto(call: _base.DotCall) -> jax.Array:
   # Kernels are chosen per lowering platform (not the process's default
   # backend), so the same code also runs on a CPU device of a GPU process.
@@ -130,6 +134,10 @@ def _auto(call: _base.DotCall) -> jax.Array:
     return jax.lax.platform_dependent(cuda=lambda: triton.run(plan),
                                       default=lambda: interpret.run(plan))
   xla = lambda: _AUTO_XLA.run(_AUTO_XLA.plan(call))
+  if _symbolic(call.lhs.shape) or _symbolic(call.rhs.shape):
+    # A symbolic dimension (jax.export with a shape variable): the GPU backends plan grids and
+    # pick measured configs on concrete sizes, so the product is XLA's, valid for every size.
+    return xla()
   for name in AUTO_ORDER:
     backend = BACKENDS[name]
     plan = backend.auto_plan(call)
