@@ -190,6 +190,7 @@ def _merge_nnx(model):
         found = True
         fold_nnx_op(node, op, op.path)
       setattr(node, attr, getattr(nnx, "static", lambda v: v)(original))
+  model_lib.float_direct_calls(out)  # a float model: direct calls too
   if not found:
     raise ValueError("lora.merge: this nnx model has no LoRA adapter (quantize it with a rule "
                      "that sets lora_rank, with sample inputs)")

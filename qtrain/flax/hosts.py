@@ -4,7 +4,8 @@
 shifts, LoRA adapters, named ``<op id>_<name>``), its calibration statistics (the
 ``"quant_stats"`` collection) and its PRNG keys, in the scope of the linen
 module whose ``dot_general`` / ``einsum`` / ``conv_general_dilated`` was
-intercepted; :func:`linen_weight_operand` says which operand is the weight.
+intercepted; :func:`linen_weight_operand` says which operand is the weight
+(:func:`nnx_weight_operand` for an nnx module's direct calls).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax
 import numpy as np
 import flax.linen as nn
 from flax import errors as flax_errors
+from flax import nnx
 from flax.core import meta
 
 from qtrain.provider import DROPOUT_STREAM
@@ -42,6 +44,20 @@ def linen_weight_operand(module, op_name: str, operands) -> int | None:
   if len(hits) == 1:
     return hits[0]
   return None
+
+
+def nnx_weight_operand(module, operands) -> tuple[int | None, str | None]:
+  """(index, attribute name) of the operand that is one of the nnx ``module``'s own
+  ``nnx.Param`` s (the Variable itself, or its value: ``self.w[...]`` is the stored array, the
+  traced one under nnx.jit / nnx.grad / nnx.scan); (None, None) unless exactly one operand is.
+  A cast, slice or transpose of a parameter is a new array, not the parameter."""
+  params = [(name, v, v.get_value()) for name, v in vars(module).items()
+            if isinstance(v, nnx.Param)]
+  hits = [(i, name) for i, o in enumerate(operands)
+          for name, var, value in params if o is var or o is value]
+  if len(hits) == 1:
+    return hits[0]
+  return None, None
 
 
 # The op state a provider keeps beside a module's own parameters (``<op id>_<name>``).

@@ -55,8 +55,11 @@ Example (nnx):
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
-from typing import Any
+import types
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -229,10 +232,16 @@ class QtOp(nnx.Module):
       clears it, as for ``nnx.Dropout``).
   """
 
-  def __init__(self, *, provider, path: str, op_name: str, original, rng=None):
+  def __init__(self, *, provider, path: str, op_name: str, original, rng=None,
+               op_id: str | None = None, weight_param: str | None = None):
     self.provider = provider
     self.path = path
     self.op_name = op_name
+    # ``<op name><n>``: the n-th such call of the module (a direct call; 0 for a layer's op).
+    self.op_id = op_id or f"{op_name}0"
+    # A direct call's weight: the name of the module's parameter the sample forward saw as its
+    # weight operand (each later call must take the same one); None for a layer's op.
+    self.weight_param = weight_param
     self.original = original
     self.calibrate = True
     self.deterministic = False
@@ -251,10 +260,15 @@ class QtOp(nnx.Module):
     self.calibrate = not bool(value)
 
   def __call__(self, *args, **kwargs):
+    # The provider's own jax.lax / jnp calls must not reach a frame of the calling module.
+    with _intercept.sentinel():
+      return self._call(*args, **kwargs)
+
+  def _call(self, *args, **kwargs):
     host = _NnxHost(self)
-    op_id = f"{self.op_name}0"
+    op_id = self.op_id
     if self.initializing and _observed.shapes is not None:
-      _observed.shapes[self.path] = jnp.shape(_weight_arg(self.op_name, args))
+      _observed.shapes[(self.path, op_id)] = jnp.shape(_weight_arg(self.op_name, args))
     if self.op_name == "dot_general":
       return self.provider.dot_general(host, self.path, op_id, *args, weight_operand=1,
                                        fallback=self.original, **kwargs)
@@ -365,11 +379,184 @@ def _weight_arg(op_name: str, args) -> Any:
 
 
 class _Observed(threading.local):
-  """Weight operand shapes the QtOps see in quantize_model's sample forward (by path)."""
+  """quantize_model's sample forward, while it runs: the weight operand shapes the QtOps see
+  (by (path, op id)), and the provider whose direct-call ops it may create."""
   shapes: dict | None = None
+  provider: Any = None
 
 
 _observed = _Observed()
+
+
+# ---------------------------------------------------------------------------
+# Direct calls: jnp.einsum / jax.lax.dot_general / conv_general_dilated / @ in a user's module.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Direct:
+  """What the frames of a user nnx module need (a static attribute of the module)."""
+  provider: Any
+  path: str
+  # Op ids a layer-style op attribute of the module takes (its ``dot_general0``): direct calls
+  # of that op are numbered from 1.
+  counters: tuple = ()
+
+
+_DIRECT_ATTR = "_qtrain_direct"
+_FLOAT_CLASS_ATTR = "_qtrain_float_class"
+
+
+class _FloatHost:
+  """The host of a direct call that stays float: the provider reads no state for it."""
+  initializing = False
+  calibrating = False
+
+  def _never(self, *args, **kwargs):
+    raise AssertionError("qtrain: a direct call left in float asked its host for state")
+
+  param = stat = set_stat = rng_key = missing_rng_message = init_key = dropout_key = _never
+
+
+_FLOAT_HOST = _FloatHost()
+
+
+def _direct_site(frame, op_name: str, op_id: str, operands) -> tuple[Any, int | None]:
+  """Where a user nnx module's direct call keeps its state, and which operand is its weight.
+
+  The state is the QtOp at the module's attribute named by the op id (``einsum0``: its first
+  ``jnp.einsum`` call), created by quantize_model's sample forward for each call a rule
+  quantizes. A call that needs one and has none (it did not run in the sample forward), or a
+  call that takes another weight than it took there, raises: never float in silence.
+  """
+  module, path, provider = frame.module, frame.path, frame.provider
+  w, param = hosts.nnx_weight_operand(module, operands)
+  shape = None if w is None else tuple(jnp.shape(operands[w]))
+  where = f"the {op_name} call {op_id!r} of nnx module {path!r} ({_what(module)})"
+  op = vars(module).get(op_id)
+  if op is not None and not isinstance(op, QtOp):
+    raise ValueError(f"qtrain: {where} keeps its quantized op under the attribute {op_id!r}, "
+                     f"which the module already uses (a {type(op).__name__}): rename it")
+  if isinstance(op, QtOp):
+    if param != op.weight_param:
+      now = ("no operand is one of its parameters" if param is None
+             else f"it takes parameter {param!r}")
+      raise ValueError(
+          f"qtrain: {where} took parameter {op.weight_param!r} as its weight in quantize_model's "
+          f"sample forward, and now {now}: a module's direct calls are told apart by their "
+          "order (op ids count each op's calls), so they must run in the sample forward's "
+          "order with the same weights; keep other code paths in other modules or methods "
+          "that the sample forward runs too")
+    if op.initializing and _observed.shapes is not None:
+      _observed.shapes[(path, op_id)] = shape
+    return _NnxHost(op), w
+  m = provider.match(path, op_name)
+  if m is None or not m[1].active or w is None:
+    return _FLOAT_HOST, w
+  if m[1].has_lora:
+    raise ValueError(
+        f"qtrain: rules[{m[0]}] (lora_rank={m[1].lora_rank}) matches {where}: LoRA adapters on "
+        "an nnx module's direct calls are not supported (lora.merge and freeze would not see "
+        "them); compute the product with nnx.Linear / nnx.Einsum, keep the op as an attribute "
+        "(self.dot_general = jax.lax.dot_general), or exclude it from the rule")
+  if _observed.provider is not provider:
+    raise ValueError(
+        f"qtrain: rules[{m[0]}] matches {where}, which did not run in quantize_model's sample "
+        "forward, so it has no quantized op (its state and keys are made there): pass sample "
+        "inputs that run this code path, quantize_model(model, provider, *sample_args), or keep "
+        f"the call in float with a first rule that sets no qtype, QtRule(module_path={path!r}, "
+        f"op_names=({op_name!r},))")
+  op = QtOp(provider=provider, path=path, op_name=op_name, original=_intercept.original(op_name),
+            op_id=op_id, weight_param=param)
+  op.initializing = True
+  setattr(module, op_id, getattr(nnx, "data", lambda v: v)(op))
+  _observed.shapes[(path, op_id)] = shape
+  return _NnxHost(op), w
+
+
+def _not_ours(klass: type) -> bool:
+  """A class of Flax, JAX or Python itself (not the user's)."""
+  return klass.__module__.split(".")[0] in ("flax", "jax", "builtins", "typing", "abc")
+
+
+def _framed_method(fn: Callable) -> Callable:
+  @functools.wraps(fn)
+  def method(self, *args, **kwargs):
+    d = vars(self).get(_DIRECT_ATTR)
+    if d is None:
+      return fn(self, *args, **kwargs)
+    with _intercept.module_frame(self, d.provider, d.path, _direct_site, dict(d.counters)):
+      return fn(self, *args, **kwargs)
+  return method
+
+
+def _passing_method(fn: Callable) -> Callable:
+  @functools.wraps(fn)
+  def method(self, *args, **kwargs):
+    if _intercept.depth() == 0:
+      return fn(self, *args, **kwargs)
+    with _intercept.sentinel():  # its ops are its own (hooked, or float): not the caller's
+      return fn(self, *args, **kwargs)
+  return method
+
+
+_FRAMED_CLASSES: dict[tuple[type, bool], type] = {}
+_framed_lock = threading.Lock()
+
+
+def _framed_class(cls: type, user: bool) -> type:
+  """``cls`` with its methods in frames: a user's module's methods (``__call__`` and every
+  method its own classes define) run in a frame of the module, whose direct calls are
+  quantized; a Flax module's ``__call__`` lets the ops it makes pass (its op attributes keep
+  their hooks), so they are not taken for those of a user's module that calls it."""
+  with _framed_lock:
+    key = (cls, user)
+    if key in _FRAMED_CLASSES:
+      return _FRAMED_CLASSES[key]
+    ns = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+          _FLOAT_CLASS_ATTR: cls}
+    if user:
+      names = {"__call__"} | {n for k in cls.__mro__ if not _not_ours(k)
+                              for n, v in vars(k).items()
+                              if isinstance(v, types.FunctionType) and not n.startswith("__")}
+      for n in sorted(names):
+        fn = getattr(cls, n, None)
+        if isinstance(fn, types.FunctionType):
+          ns[n] = _framed_method(fn)
+    else:
+      ns["__call__"] = _passing_method(cls.__call__)
+    framed = type(cls)(cls.__name__, (cls,), ns)
+    _FRAMED_CLASSES[key] = framed
+    return framed
+
+
+def _is_user_module(node) -> bool:
+  """A module of the user's (or of a library other than Flax and qtrain)."""
+  return (isinstance(node, nnx.Module) and
+          type(node).__module__.split(".")[0] not in ("flax", "qtrain"))
+
+
+def float_direct_calls(model) -> None:
+  """Makes the direct calls of ``model``'s user modules float again, in place: their QtOps
+  are dropped and every module gets its own class back (for a float copy, e.g. lora.merge)."""
+  for _, node in list(nnx.iter_graph(model)):
+    if not isinstance(node, nnx.Module):
+      continue
+    for name, op in list(vars(node).items()):
+      if isinstance(op, QtOp) and op.weight_param is not None:
+        delattr(node, name)
+    if _DIRECT_ATTR in vars(node):
+      delattr(node, _DIRECT_ATTR)
+    float_class = vars(type(node)).get(_FLOAT_CLASS_ATTR)
+    if float_class is not None:
+      node.__class__ = float_class
+
+
+def direct_ops(model) -> list[str]:
+  """``"path:op id"`` of every quantized direct call (a QtOp kept under its op id) in ``model``."""
+  return sorted(f"{op.path}:{name}" for _, node in nnx.iter_graph(model)
+                if isinstance(node, nnx.Module)
+                for name, op in vars(node).items()
+                if isinstance(op, QtOp) and op.weight_param is not None)
 
 
 def _what(node) -> str:
@@ -396,10 +583,11 @@ def _warn_no_hook(provider, user_modules, flax_layers):
     listing = ", ".join(f"{p!r} ({_what(n)}, rules[{i}])" for p, n, i in user_modules[:8])
     more = f" and {len(user_modules) - 8} more" if len(user_modules) > 8 else ""
     provider.warn_once(("nnx-no-hook", tuple(p for p, _, _ in user_modules)),
-                       f"qtrain: nnx modules {listing}{more} have parameters and match rules, but "
-                       "have no dot_general/einsum_op/conv_general_dilated attribute to replace: "
-                       "their calls to jax.lax / jnp are not quantized (keep the op as an "
-                       "attribute, e.g. self.dot_general = jax.lax.dot_general, and call it)",
+                       f"qtrain: nnx modules {listing}{more} have parameters and match rules: "
+                       "their direct jnp.einsum / jax.lax.dot_general / conv_general_dilated / "
+                       "@ calls are quantized by ops that quantize_model's sample forward "
+                       "creates, and none was given: such a call raises when the model runs "
+                       "(pass sample inputs, quantize_model(model, provider, *sample_args))",
                        stacklevel=5)
 
 
@@ -420,11 +608,19 @@ def _quantize_nnx(model, provider, sample_args, sample_kwargs, rngs):
     except (KeyError, AttributeError):
       stream = None
   plan, all_ops, user_modules, flax_layers = [], [], [], []
+  framed, passing = [], []   # user modules (in frames), Flax modules (their ops pass)
   for path, node in list(nnx.iter_graph(model)):
     if not isinstance(node, nnx.Module) or isinstance(node, QtOp):
       continue
     pstr = "/".join(str(p) for p in path)
+    if _DIRECT_ATTR in vars(node) or hasattr(type(node), _FLOAT_CLASS_ATTR):
+      raise ValueError(f"module {type(node).__name__} at {pstr!r} is already quantized (its "
+                       "direct calls are intercepted)")
     hook = _nnx_hook(node)
+    if _is_user_module(node):
+      framed.append((node, pstr, () if hook is None else ((hook[1], 1),)))
+    elif callable(node) and _is_flax_layer(node):
+      passing.append(node)
     if hook is None:
       if _owns_params(node) and (isinstance(node, _FLAX_OP_LAYERS) or not _is_flax_layer(node)):
         hit = [i for i, r in enumerate(provider.rules) if r.active and
@@ -453,9 +649,12 @@ def _quantize_nnx(model, provider, sample_args, sample_kwargs, rngs):
           f"matches {pstr!r} and needs keys from the RNG stream {provider.rng_stream!r}: pass "
           f"rngs=nnx.Rngs({provider.rng_stream}=seed) to qtrain.quantize_model")
     plan.append((node, attr, op_name, pstr, m))
-  _warn_no_hook(provider, user_modules, flax_layers)
-  provider.warn_unused_rules_once(all_ops, stacklevel=5)  # at the caller of quantize_model
   has_sample = bool(sample_args or sample_kwargs)
+  _warn_no_hook(provider, [] if has_sample else user_modules, flax_layers)
+  # User modules' direct calls are known once the sample forward has run them.
+  late_rule_check = has_sample and bool(framed)
+  if not late_rule_check:
+    provider.warn_unused_rules_once(all_ops, stacklevel=5)  # at the caller of quantize_model
   # A Flax layer's stacking is known from its declared kernel shape; a user module's is learnt
   # from the weight operand its op sees in the sample forward.
   stacks = {}
@@ -489,6 +688,12 @@ def _quantize_nnx(model, provider, sample_args, sample_kwargs, rngs):
           setattr(op, field, _op_stream(_stream(rngs, name), stacks[pstr] or (), name))
     setattr(node, attr, data(op))
     ops.append((node, op, m))
+  for node, pstr, counters in framed:
+    node.__class__ = _framed_class(type(node), user=True)
+    setattr(node, _DIRECT_ATTR, _Direct(provider, pstr, counters))
+  if framed:  # only a user module's frame can take a Flax module's ops for its own
+    for node in passing:
+      node.__class__ = _framed_class(type(node), user=False)
   needs_state = [op.path for _, op, m in ops if m[1].has_state]
   if needs_state and not has_sample:
     raise ValueError(f"qtrain: rules with static or learned activation scales match nnx modules "
@@ -499,7 +704,7 @@ def _quantize_nnx(model, provider, sample_args, sample_kwargs, rngs):
   stacked = [(op.path, stacks[op.path]) for _, op, _ in ops if stacks[op.path]]
   for _, op, _ in ops:
     op.initializing = True
-  _observed.shapes = {}
+  _observed.shapes, _observed.provider = {}, provider
   try:
     model(*sample_args, **sample_kwargs)
   except Exception as e:
@@ -513,12 +718,12 @@ def _quantize_nnx(model, provider, sample_args, sample_kwargs, rngs):
         "nnx.scan / nnx.vmap (pass the model that scans the stack, or quantize each layer "
         "inside the vmapped constructor)") from e
   finally:
-    observed, _observed.shapes = _observed.shapes, None
-    for _, op, _ in ops:
+    observed, _observed.shapes, _observed.provider = _observed.shapes, None, None
+    for _, op in _graph_ops(model):  # those of direct calls were created by the forward
       op.initializing = False
   for node, op, m in ops:
     if stacks[op.path] is None:
-      if op.path not in observed:
+      if (op.path, op.op_id) not in observed:
         if not m[1].needs_rng:
           continue
         raise ValueError(
@@ -526,18 +731,53 @@ def _quantize_nnx(model, provider, sample_args, sample_kwargs, rngs):
             "sample forward did not call: qtrain cannot tell whether it is one of a stack "
             "(nnx.vmap / nnx.scan) to give it keys stacked like its weight; call it in the "
             "sample forward, or keep it in float with a rule that sets no qtype")
-      stacks[op.path] = _observed_stack_shape(node, observed[op.path])
+      stacks[op.path] = _observed_stack_shape(node, observed[(op.path, op.op_id)])
       if stacks[op.path] is None:
         raise ValueError(
             f"qtrain: rules[{m[0]}] matches nnx module {op.path!r} ({_what(node)}), whose op got "
-            f"a weight operand of shape {tuple(observed[op.path])}, which is none of the "
+            f"a weight operand of shape {tuple(observed[(op.path, op.op_id)])}, which is none of the "
             "module's parameters (nor their trailing axes): qtrain cannot tell whether the "
             "module is one of a stack (nnx.vmap / nnx.scan) to stack its op's keys and state "
             "with it; pass the parameter itself as the op's second operand")
       if m[1].needs_rng:
         op.rng = _op_stream(stream, stacks[op.path], provider.rng_stream)
     _check_state_stacked(node, op, m, stacks[op.path])
+  _finish_direct_ops(model, provider, stream, observed)
+  if late_rule_check:
+    provider.warn_unused_rules_once(all_ops + [(r.path, r.op_name) for r in provider.records()],
+                                    stacklevel=5)
   return model
+
+
+def _graph_ops(model) -> list[tuple[Any, QtOp]]:
+  """(owner module, op) of every QtOp in ``model``."""
+  return [(node, op) for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)
+          for op in vars(node).values() if isinstance(op, QtOp)]
+
+
+def _finish_direct_ops(model, provider, stream, observed) -> None:
+  """Gives the direct-call ops the sample forward created their keys, stacked like their
+  module (learnt from the weight operand each saw), and checks their state's stacking."""
+  for node, op in _graph_ops(model):
+    if op.weight_param is None:
+      continue
+    m = provider.match(op.path, op.op_name)
+    where = f"the {op.op_name} call {op.op_id!r} of nnx module {op.path!r} ({_what(node)})"
+    stack = _observed_stack_shape(node, observed[(op.path, op.op_id)])
+    if stack is None:
+      raise ValueError(
+          f"qtrain: rules[{m[0]}] matches {where}, whose weight (parameter {op.weight_param!r}) "
+          f"had shape {observed[(op.path, op.op_id)]} in the sample forward, which is neither "
+          "the parameter's shape nor its trailing axes: qtrain cannot tell how the module is "
+          "stacked (nnx.vmap / nnx.scan) to stack the op's keys and state with it")
+    if m[1].needs_rng:
+      if stream is None:
+        raise ValueError(
+            f"qtrain: rules[{m[0]}] (bwd_stochastic_rounding={m[1].bwd_stochastic_rounding!r}) "
+            f"matches {where} and needs keys from the RNG stream {provider.rng_stream!r}: pass "
+            f"rngs=nnx.Rngs({provider.rng_stream}=seed) to qtrain.quantize_model")
+      op.rng = _op_stream(stream, stack, provider.rng_stream)
+    _check_state_stacked(node, op, m, stack)
 
 
 def _check_state_stacked(node, op, m, stack):

@@ -87,7 +87,7 @@ class TestLayers:
     assert {r.path for r in p.records() if r.status == "quantized"} == \
         {"query", "key", "value", "out"}
 
-  def test_user_module_with_hook_attribute_and_raw_call_warning(self):
+  def test_user_module_with_hook_attribute_and_direct_call(self):
     class Hooked(nnx.Module):
       def __init__(self, rngs):
         self.w = nnx.Param(jax.random.normal(rngs.params(), (32, 8)))
@@ -111,13 +111,17 @@ class TestLayers:
         return self.hooked(x), self.raw(x)
 
     net = Net(nnx.Rngs(0))
-    raw_float = net.raw(X)
-    with pytest.warns(UserWarning, match="'raw'.*not quantized"):
-      net = qtrain.quantize_model(net, _rules(**W8A8))
+    # A direct call's op is made by the sample forward: without one, the call raises.
+    with pytest.warns(UserWarning, match="'raw'.*sample forward.*raises when the model runs"):
+      bare = qtrain.quantize_model(nnx.clone(net), _rules(**W8A8))
+    with pytest.raises(ValueError, match="dot_general call 'dot_general0' of nnx module 'raw' "
+                       r"\(Raw\), which did not run in quantize_model's sample forward"):
+      bare(X)
+    net = qtrain.quantize_model(net, _rules(**W8A8), X)
     yh, yr = net(X)
-    np.testing.assert_allclose(yh, ops.dot_general_qt(X, net.hooked.w[...], DN, _cfg()),
-                               rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(yr, raw_float)
+    for y, w in ((yh, net.hooked.w), (yr, net.raw.w)):
+      np.testing.assert_allclose(y, ops.dot_general_qt(X, w[...], DN, _cfg()), rtol=1e-6,
+                                 atol=1e-6)
 
   def test_rule_without_qtype_and_op_names(self):
     class Two(nnx.Module):
