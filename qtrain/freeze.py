@@ -564,6 +564,15 @@ def _nnx_hooks(model, cls):
 def _freeze_nnx(model, provider=None):
 
   frozen = nnx.clone(model)
+  direct = model_lib.direct_ops(frozen)
+  if direct:
+    listing = provider_lib._listing(direct)
+    raise ValueError(
+        f"freeze: nnx modules of this model quantize direct calls ({listing}: "
+        "jnp.einsum / jax.lax.dot_general / conv_general_dilated / @ in their own code), which "
+        "freeze does not take yet: compute those products with nnx.Linear / nnx.Einsum / "
+        "nnx.Conv, or keep the op as an attribute (self.dot_general = jax.lax.dot_general); "
+        "or keep them float with a first rule that sets no qtype")
   hooks = _nnx_hooks(frozen, model_lib.QtOp)
   if not hooks:
     raise ValueError("freeze: this nnx model has no quantized op: quantize it with "
