@@ -42,6 +42,7 @@ from typing import Any, Collection, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import flax.linen as nn
 from flax import nnx
 
 from qtrain import freeze as freeze_lib
@@ -337,6 +338,9 @@ def quantize_params(params: Mapping, abstract_quantized_params, quant_stats: Map
                        "nnx model are carried over by quantize_model(qt_model, PtqProvider(rules),"
                        " x) from the trained QT model; pass no quant_stats here")
     return _quantize_params_nnx(params, abstract_quantized_params, allow_extra_params)
+  # nn.with_partitioning's boxes: a template from eval_shape(ptq_model.init) holds them; the
+  # PTQ params are plain arrays, as in qwix (the boxes' names are the model's to add again).
+  params, abstract_quantized_params = nn.unbox(params), nn.unbox(abstract_quantized_params)
   if _is_variables_template(abstract_quantized_params):
     return _quantize_variables(params, abstract_quantized_params, quant_stats, allow_extra_params)
   node = (abstract_quantized_params.get(FROZEN_KEY)

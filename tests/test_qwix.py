@@ -516,3 +516,29 @@ def test_nnx_quantize_params_extra_params_raise_unless_allowed():
   nnx.update(abstract, qwix.quantize_params(params, abstract, allow_extra_params=True))
   want = qwix.quantize_model(fp, qwix.PtqProvider(rules), x)
   np.testing.assert_array_equal(np.asarray(abstract(x)), np.asarray(want(x)))
+
+
+def test_linen_ptq_takes_partitioned_params():
+  """nn.with_partitioning on the kernel and bias (qwix's sharded-model case): PtqModel.init
+  freezes the boxed kernel, quantize_params takes the unboxed float params (the template keeps
+  the boxes) and both predict what the QT model predicts from the same weights."""
+  part = nn.with_partitioning
+  dense = nn.Dense(5, kernel_init=part(nn.initializers.lecun_normal(), ("contraction", "out")),
+                   bias_init=part(nn.initializers.normal(1.0), ("out",)))
+  rules = [qwix.QuantizationRule(module_path=".*", weight_qtype=jnp.int8, act_qtype=jnp.int8,
+                                 tile_size=4)]
+  x = jax.random.normal(jax.random.key(0), (10, 12), jnp.float32)
+  ptq = qwix.quantize_model(dense, qwix.PtqProvider(rules, implementation="xla"))
+  v = ptq.init(jax.random.key(1), x)
+  assert "kernel" not in v["params"]
+  abstract = jax.eval_shape(ptq.init, jax.random.key(1), x)["params"]
+  fp = dense.init(jax.random.key(1), x)
+  qt = qwix.quantize_model(dense, qwix.QtProvider(rules))
+  want = np.asarray(qt.apply(fp, x))
+  np.testing.assert_array_equal(np.asarray(ptq.apply(v, x)), want)
+  for given in (nn.unbox(fp["params"]), fp["params"]):
+    params = qwix.quantize_params(given, abstract)
+    np.testing.assert_array_equal(np.asarray(ptq.apply({"params": params}, x)), want)
+  ref = np.asarray(dense.apply(fp, x))
+  np.testing.assert_allclose(want, ref, atol=0.05 * np.abs(ref).max())
+  assert not np.array_equal(want, ref)
