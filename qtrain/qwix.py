@@ -52,8 +52,12 @@ from qtrain import _frozen
 from qtrain._frozen import FrozenLayer
 from qtrain.flax import model as model_lib
 
-__all__ = ["QuantizationRule", "QtRule", "QtProvider", "PtqProvider", "PtqModel",
+__all__ = ["QuantizationRule", "QtRule", "QtProvider", "PtqProvider", "PtqModel", "QuantStat",
            "quantize_model", "quantize_params", "to_qtrain_rule", "RNG_STREAM", "FROZEN_KEY"]
+
+# qwix's nnx variable type of calibration state: ``nnx.state(model, qwix.QuantStat)`` selects a
+# QT model's static-scale state (qtrain's layout, not qwix's ``sum_of_absmax`` / ``count``).
+QuantStat = model_lib.QuantStat
 
 RNG_STREAM = "stochastic_rounding"  # qwix's stream for stochastic-rounding keys
 
@@ -275,6 +279,8 @@ class PtqModel:
   def init(self, rngs, *args, method=None, **kwargs) -> dict:
     qt_model = model_lib.quantize_model(self.model, self.provider.qt)
     variables = qt_model.init(rngs, *args, method=method, **kwargs)
+    if not self.provider.qt.records():  # no op to quantize (rules' warning given): all float
+      return _ptq_variables({"layers": {}, "variables": dict(variables)}, self.provider)
     return _ptq_variables(freeze_lib._freeze_records(dict(variables), self.provider.qt,
                                                      static="given"), self.provider)
 
@@ -513,6 +519,8 @@ def _ptq_nnx(model, provider: PtqProvider, model_inputs, kwargs):
       raise ValueError("quantize_model(nnx model, PtqProvider(rules)): pass a sample batch "
                        "(quantize_model(model, provider, x)): the ops must run once to be frozen")
     qt_model = model_lib.quantize_model(nnx.clone(model), provider.qt, *model_inputs, **kwargs)
+    if not any(r.status == provider_lib.QUANTIZED for r in provider.qt.records()):
+      return nnx.clone(model)  # no op quantized (the rules' warning says so): nothing to freeze
     frozen = freeze_lib.freeze(qt_model)
   for _, _, _, op in freeze_lib._nnx_hooks(frozen, freeze_lib.FrozenOp):
     op.implementation = provider.implementation

@@ -174,8 +174,9 @@ def test_nnx_set_attributes_disable_quant_stats_update_freezes_static_scales():
   x = jax.random.normal(jax.random.key(0), (3, 8))
   rule = qwix.QtRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True)
   model = qwix.quantize_model(nnx.Linear(8, 4, rngs=nnx.Rngs(0)), qwix.QtProvider([rule]), x)
-  stats = lambda: [np.asarray(v) for v in jax.tree.leaves(nnx.state(model, qtrain.QuantStat))]
-  assert stats()
+  # qwix.QuantStat selects the static-scale state, as qwix's does (in qtrain's layout).
+  stats = lambda: [np.asarray(v) for v in jax.tree.leaves(nnx.state(model, qwix.QuantStat))]
+  assert qwix.QuantStat is qtrain.QuantStat and stats()
   model.set_attributes(disable_quant_stats_update=True)
   before = stats()
   model(5 * x)
@@ -542,3 +543,33 @@ def test_linen_ptq_takes_partitioned_params():
   ref = np.asarray(dense.apply(fp, x))
   np.testing.assert_allclose(want, ref, atol=0.05 * np.abs(ref).max())
   assert not np.array_equal(want, ref)
+
+
+def test_ptq_of_a_model_with_no_op_to_quantize_is_the_float_model():
+  """qwix leaves a model with no matmul / conv as it is under a PtqProvider (the rules match no
+  op, with the usual warning); qtrain.qwix does too, on linen and nnx, instead of raising."""
+
+  class Scale(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x * self.param("s", nn.initializers.normal(1.0), (x.shape[-1],))
+
+  class NnxScale(nnx.Module):
+    def __init__(self):
+      self.s = nnx.Param(jax.random.normal(jax.random.key(2), (16,)))
+
+    def __call__(self, x):
+      return jnp.tanh(x) * self.s
+
+  rules = [qwix.QuantizationRule(weight_qtype=jnp.int8, act_qtype=jnp.int8)]
+  x = jax.random.normal(jax.random.key(0), (4, 16), jnp.float32)
+  with pytest.warns(UserWarning, match="matched no op"):
+    ptq = qwix.quantize_model(Scale(), qwix.PtqProvider(rules))
+    v = ptq.init(jax.random.key(1), x)
+  want = Scale().apply({"params": {"s": v["params"]["s"]}}, x)
+  np.testing.assert_array_equal(np.asarray(ptq.apply(v, x)), np.asarray(want))
+  fp = NnxScale()
+  with pytest.warns(UserWarning, match="matched no op"):
+    served = qwix.quantize_model(fp, qwix.PtqProvider(rules), x)
+  assert served is not fp
+  np.testing.assert_array_equal(np.asarray(served(x)), np.asarray(fp(x)))
