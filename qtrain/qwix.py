@@ -38,10 +38,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Collection, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import flax.linen as nn
 from flax import nnx
 
@@ -53,7 +55,8 @@ from qtrain._frozen import FrozenLayer
 from qtrain.flax import model as model_lib
 
 __all__ = ["QuantizationRule", "QtRule", "QtProvider", "PtqProvider", "PtqModel", "QuantStat",
-           "quantize_model", "quantize_params", "to_qtrain_rule", "RNG_STREAM", "FROZEN_KEY"]
+           "quantize_model", "quantize_params", "process_prequantized_params",
+           "restore_quantization_rules", "to_qtrain_rule", "RNG_STREAM", "FROZEN_KEY"]
 
 # qwix's nnx variable type of calibration state: ``nnx.state(model, qwix.QuantStat)`` selects a
 # QT model's static-scale state (qtrain's layout, not qwix's ``sum_of_absmax`` / ``count``).
@@ -575,3 +578,166 @@ def quantize_model(model, provider: provider_lib.QtProvider | PtqProvider, *mode
   if isinstance(model, nnx.Module):
     model = nnx.clone(model)
   return model_lib.quantize_model(model, provider, *model_inputs, **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# Pre-quantized checkpoints (qwix's offline quantization): a checkpoint holds, per quantized
+# weight, ``{"qvalue", "scale"[, "zero_point"]}`` (optionally under an ``"array"`` key), at the
+# nnx state path of the weight; every other leaf is a float array.
+
+_PREQUANTIZED_KEYS = ("qvalue", "scale", "zero_point")
+
+
+def _flatten_checkpoint(tree: Mapping, prefix: tuple = ()) -> dict[tuple, Any]:
+  """path -> leaf, a pre-quantized weight's dict being one leaf."""
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, Mapping) and "qvalue" not in v:
+      out.update(_flatten_checkpoint(v, prefix + (k,)))
+    else:
+      out[prefix + (k,)] = v
+  return out
+
+
+def restore_quantization_rules(checkpoint_params: Mapping, rule_type: type = QuantizationRule, *,
+                               tile_size: int | None, act_qtype: Any = "weight", **kwargs: Any
+                               ) -> list[QuantizationRule]:
+  """qwix's ``restore_quantization_rules``: one rule per module of a pre-quantized checkpoint.
+
+  Each ``{"qvalue", "scale"[, "zero_point"]}`` leaf gives a rule for the module holding it: its
+  path ``/``-joined, integer keys (layers of a list) as ``[^/]+``; ``weight_qtype`` the codes'
+  dtype; ``weight_calibration_method`` ``"minmax"`` with a zero point, else ``"absmax"``.
+
+  Args:
+    checkpoint_params: the checkpoint's tree (nnx state paths, no ``.value``).
+    rule_type: :class:`QuantizationRule` or :class:`QtRule`.
+    tile_size: every rule's ``tile_size``.
+    act_qtype: every rule's ``act_qtype``; by default each rule's weight qtype.
+    **kwargs: further fields of every rule (``bwd_qtype=...`` for a :class:`QtRule`).
+
+  Returns:
+    The rules, one per module path. Two weights under one path with different rules (layers of a
+    list quantized differently) warn; the later one is kept.
+  """
+  if not (isinstance(rule_type, type) and issubclass(rule_type, QuantizationRule)):
+    raise ValueError(f"rule_type={rule_type!r}: valid: qtrain.qwix.QuantizationRule or "
+                     "qtrain.qwix.QtRule")
+  rules: dict[str, QuantizationRule] = {}
+  for path, leaf in _flatten_checkpoint(checkpoint_params).items():
+    if not isinstance(leaf, Mapping):
+      continue
+    owner = path[:-2] if path[-1] == "array" else path[:-1]  # drop (weight name[, "array"])
+    module_path = "/".join("[^/]+" if isinstance(p, int) else str(p) for p in owner)
+    qtype = np.asarray(leaf["qvalue"]).dtype
+    rule = rule_type(module_path=module_path, weight_qtype=qtype,
+                     act_qtype=qtype if isinstance(act_qtype, str) and act_qtype == "weight"
+                     else act_qtype,
+                     weight_calibration_method="minmax" if leaf.get("zero_point") is not None
+                     else "absmax",
+                     tile_size=tile_size, **kwargs)
+    if module_path in rules and rules[module_path] != rule:
+      warnings.warn(f"restore_quantization_rules: module path {module_path!r} has weights of "
+                    f"different rules ({rules[module_path]} and {rule}); the later one is kept",
+                    stacklevel=2)
+    rules[module_path] = rule
+  return list(rules.values())
+
+
+def _concrete_sharding(sharding, path: str):
+  """A template's sharding made concrete: an abstract mesh's is resolved on ``jax.set_mesh``'s."""
+  if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
+      sharding.mesh, jax.sharding.AbstractMesh):
+    mesh = jax.sharding.get_mesh()
+    if getattr(mesh, "empty", True) or mesh.abstract_mesh != sharding.mesh:
+      raise ValueError(f"process_prequantized_params: {path!r} is sharded on an abstract mesh "
+                       f"({sharding.mesh}): call it inside `with jax.set_mesh(mesh)` of that mesh")
+    return jax.sharding.NamedSharding(mesh, sharding.spec)
+  return sharding
+
+
+def _broadcast_groups(a: jax.Array, shape: tuple[int, ...], what: str, path: str) -> jax.Array:
+  """A per-group array (one value per tile of each axis) repeated to ``shape``."""
+  if a.ndim != len(shape) or any(n % g for g, n in zip(a.shape, shape)):
+    raise ValueError(f"process_prequantized_params: {path!r}: {what} of shape {a.shape} does not "
+                     f"tile qvalue's shape {shape} (each axis must divide qvalue's)")
+  for ax, (g, n) in enumerate(zip(a.shape, shape)):
+    if g not in (1, n):
+      a = jnp.repeat(a, n // g, axis=ax)
+  return a
+
+
+def _dequantize_leaf(leaf: Mapping, path: str) -> jax.Array:
+  missing = [k for k in ("qvalue", "scale") if k not in leaf]
+  unsupported = sorted(set(leaf) - set(_PREQUANTIZED_KEYS))
+  if missing or unsupported:
+    raise ValueError(f"process_prequantized_params: {path!r}: a pre-quantized weight holds "
+                     f"{list(_PREQUANTIZED_KEYS)} (zero_point optional); "
+                     + (f"missing {missing}" if missing else f"unsupported keys {unsupported}"))
+  q = jnp.asarray(leaf["qvalue"])
+  x = q.astype(jnp.float32)
+  if leaf.get("zero_point") is not None:
+    x = x - _broadcast_groups(jnp.asarray(leaf["zero_point"], jnp.float32), q.shape,
+                              "zero_point", path)
+  return x * _broadcast_groups(jnp.asarray(leaf["scale"], jnp.float32), q.shape, "scale", path)
+
+
+def process_prequantized_params(checkpoint_params: Mapping, template_params, *,
+                                allow_extra_params: bool = False) -> dict:
+  """qwix's ``process_prequantized_params`` for float and QT nnx models: a pre-quantized
+  checkpoint dequantized into the model's float parameters, for ``nnx.update``.
+
+  A ``{"qvalue", "scale"[, "zero_point"]}`` leaf (under its weight's path, optionally under
+  ``"array"``) becomes ``(qvalue - zero_point) * scale`` (``scale`` and ``zero_point`` one value
+  per tile of each axis, repeated over the tile); a float leaf is taken as it is. Each result
+  has the template parameter's dtype and sharding (an abstract mesh's on the mesh of
+  ``jax.set_mesh``). Fine-tuning a QT model from a checkpoint quantized elsewhere starts here.
+
+  Args:
+    checkpoint_params: the checkpoint's tree (nnx state paths, no ``.value``).
+    template_params: the nnx model (a float or :class:`QtProvider`-quantized one), possibly
+      abstract (``nnx.eval_shape``).
+    allow_extra_params: drop checkpoint leaves the model has no parameter for (else they raise).
+
+  Returns:
+    A pure dict of the model's paths that the checkpoint holds.
+
+  Raises:
+    TypeError: the template is not an nnx model.
+    ValueError: a leaf the model has no parameter for, a malformed pre-quantized leaf, a shape
+      other than the parameter's, a float leaf for a frozen (PTQ) weight, or a PTQ template: a
+      qtrain PTQ model keeps qtrain's packed layout, not qwix's ``qvalue`` / ``scale``.
+  """
+  if not isinstance(template_params, nnx.Module):
+    raise TypeError("process_prequantized_params takes NNX models (an nnx.Module, possibly from "
+                    f"nnx.eval_shape); got {type(template_params).__name__}")
+  if freeze_lib._nnx_hooks(template_params, freeze_lib.FrozenOp):
+    raise ValueError("process_prequantized_params: the template is a PTQ model (frozen ops): "
+                     "qtrain's PTQ state is its packed layout, not qwix's qvalue / scale; load "
+                     "the checkpoint into the float (or QT) model, then freeze it with "
+                     "qwix.quantize_model(model, qwix.PtqProvider(rules), x)")
+  params = dict(nnx.to_flat_state(nnx.state(template_params, nnx.Param)))
+  out: dict = {}
+  for path, leaf in _flatten_checkpoint(checkpoint_params).items():
+    if path and path[-1] == "array" and isinstance(leaf, Mapping):
+      path = path[:-1]
+    name = "/".join(map(str, path))
+    var = params.get(path)
+    if var is None:
+      if allow_extra_params:
+        continue
+      raise ValueError(f"process_prequantized_params: the model has no parameter {name!r} "
+                       "(extra in the checkpoint); pass allow_extra_params=True to drop it")
+    want = var.get_value()
+    value = _dequantize_leaf(leaf, name) if isinstance(leaf, Mapping) else jnp.asarray(leaf)
+    if tuple(value.shape) != tuple(want.shape):
+      raise ValueError(f"process_prequantized_params: {name!r} has shape {tuple(value.shape)}, "
+                       f"the model's parameter {tuple(want.shape)}")
+    value = value.astype(want.dtype)
+    sharding = _concrete_sharding(getattr(want, "sharding", None), name)
+    if sharding is not None:
+      value = jax.device_put(value, sharding)
+    node = out
+    for p in path[:-1]:
+      node = node.setdefault(p, {})
+    node[path[-1]] = value
+  return out

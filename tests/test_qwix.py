@@ -573,3 +573,103 @@ def test_ptq_of_a_model_with_no_op_to_quantize_is_the_float_model():
     served = qwix.quantize_model(fp, qwix.PtqProvider(rules), x)
   assert served is not fp
   np.testing.assert_array_equal(np.asarray(served(x)), np.asarray(fp(x)))
+
+
+# ----------------------------------------------------------------------------
+# Pre-quantized checkpoints (qwix's offline quantization).
+
+
+def _prequantized(w: jax.Array, *, tile: int | None, minmax: bool = False):
+  """``w`` quantized to int8 by qtrain, written as a qwix checkpoint leaf (qvalue, scale per tile
+  of the contraction and per output channel[, zero_point]), and its dequantized reference."""
+  spec = qarray.QuantizeSpec(qtype="int8", channelwise_axes=(1,),
+                             tiled_axes={0: tile} if tile else {},
+                             calibration="minmax" if minmax else "absmax")
+  q = qarray.quantize(w, spec)
+  leaf = {"qvalue": np.asarray(q.qvalue), "scale": np.asarray(q.scale)}
+  if minmax:
+    leaf["zero_point"] = np.asarray(q.zero_point)
+  return leaf, np.asarray(qarray.dequantize(q))
+
+
+@pytest.mark.parametrize("tile, minmax", [(4, False), (None, True)])
+def test_process_prequantized_params_dequantizes_into_float_and_qt_models(tile, minmax):
+  """qwix's full-precision path of offline quantization: a checkpoint's {qvalue, scale
+  [, zero_point]} weight (optionally under "array") becomes (qvalue - zero_point) * scale in the
+  model's dtype; a float leaf is taken as it is; nnx.update then runs the model on those weights
+  (a float model, or a QT model to fine-tune)."""
+  fp = _NnxMlp(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (4, 16), jnp.float32)
+  params = nnx.to_pure_dict(nnx.state(fp, nnx.Param))
+  hidden, want_hidden = _prequantized(jnp.asarray(params["hidden"]["kernel"]), tile=tile,
+                                      minmax=minmax)
+  out, want_out = _prequantized(jnp.asarray(params["out"]["kernel"]), tile=tile, minmax=minmax)
+  bias = np.asarray(jax.random.normal(jax.random.key(3), (32,)))
+  ckpt = {"hidden": {"kernel": {"array": hidden}, "bias": bias}, "out": {"kernel": out}}
+  rules = [qwix.QtRule(weight_qtype=jnp.int8, act_qtype=jnp.int8, bwd_qtype=jnp.int8)]
+  models = [nnx.eval_shape(lambda: _NnxMlp(nnx.Rngs(0))),
+            qwix.quantize_model(fp, qwix.QtProvider(rules), x)]
+  for model in models:
+    got = qwix.process_prequantized_params(ckpt, model)
+    np.testing.assert_array_equal(np.asarray(got["hidden"]["kernel"]), want_hidden)
+    np.testing.assert_array_equal(np.asarray(got["out"]["kernel"]), want_out)
+    np.testing.assert_array_equal(np.asarray(got["hidden"]["bias"]), bias)
+    assert "bias" not in got["out"]  # not in the checkpoint: left to the model
+    assert got["hidden"]["kernel"].dtype == jnp.float32
+    w = np.asarray(params["hidden"]["kernel"])
+    assert 0 < np.abs(want_hidden - w).max() <= np.abs(w).max() / 127
+  float_model = models[0]
+  nnx.update(float_model, qwix.process_prequantized_params(ckpt, float_model))
+  ref = nnx.relu(x @ want_hidden + bias) @ want_out + np.asarray(params["out"]["bias"])
+  nnx.update(float_model, {"out": {"bias": params["out"]["bias"]}})
+  np.testing.assert_allclose(np.asarray(float_model(x)), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_process_prequantized_params_errors_name_what_is_wrong():
+  fp = _NnxMlp(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (4, 16), jnp.float32)
+  leaf, _ = _prequantized(jnp.asarray(fp.out.kernel[...]), tile=None)
+  with pytest.raises(TypeError, match="NNX models.*got Dense"):
+    qwix.process_prequantized_params({}, nn.Dense(4))
+  with pytest.raises(ValueError, match="no parameter 'head/kernel'.*allow_extra_params"):
+    qwix.process_prequantized_params({"head": {"kernel": leaf}}, fp)
+  assert qwix.process_prequantized_params({"head": {"kernel": leaf}}, fp,
+                                          allow_extra_params=True) == {}
+  with pytest.raises(ValueError, match=r"'out/kernel'.*missing \['scale'\]"):
+    qwix.process_prequantized_params({"out": {"kernel": {"qvalue": leaf["qvalue"]}}}, fp)
+  with pytest.raises(ValueError, match=r"'out/kernel'.*unsupported keys \['extra'\]"):
+    qwix.process_prequantized_params({"out": {"kernel": {**leaf, "extra": 1}}}, fp)
+  with pytest.raises(ValueError, match=r"'out/kernel' has shape \(31, 4\).*\(32, 4\)"):
+    qwix.process_prequantized_params(
+        {"out": {"kernel": {"qvalue": leaf["qvalue"][:-1], "scale": leaf["scale"]}}}, fp)
+  with pytest.raises(ValueError, match=r"scale of shape \(3, 4\) does not tile"):
+    qwix.process_prequantized_params(
+        {"out": {"kernel": {"qvalue": leaf["qvalue"], "scale": np.ones((3, 4), np.float32)}}}, fp)
+  ptq = qwix.quantize_model(fp, qwix.PtqProvider([qwix.QuantizationRule(weight_qtype="int8")]), x)
+  with pytest.raises(ValueError, match="PTQ model.*quantize_model"):
+    qwix.process_prequantized_params({"out": {"kernel": leaf}}, ptq)
+
+
+def test_restore_quantization_rules_reads_one_rule_per_module():
+  """qwix's restore_quantization_rules: a rule per module holding a {qvalue, scale} leaf, its
+  qtype the codes' dtype, minmax where a zero point is stored, integer keys as a wildcard; rules
+  that differ under one wildcard path warn and the later wins; the rules run in a QtProvider."""
+  q8 = {"qvalue": np.zeros((4, 4), np.int8), "scale": np.ones((1, 4), np.float32)}
+  ckpt = {"layers": {0: {"kernel": q8}, 1: {"kernel": {"array": q8}}},
+          "head": {"kernel": {**q8, "zero_point": np.zeros((1, 4), np.int8)},
+                   "bias": np.zeros(4, np.float32)}}
+  rules = qwix.restore_quantization_rules(ckpt, qwix.QtRule, tile_size=4, bwd_qtype=jnp.int8)
+  assert rules == [
+      qwix.QtRule(module_path="layers/[^/]+", weight_qtype=jnp.int8, act_qtype=jnp.int8,
+                  weight_calibration_method="absmax", tile_size=4, bwd_qtype=jnp.int8),
+      qwix.QtRule(module_path="head", weight_qtype=jnp.int8, act_qtype=jnp.int8,
+                  weight_calibration_method="minmax", tile_size=4, bwd_qtype=jnp.int8)]
+  assert qwix.restore_quantization_rules(ckpt, tile_size=None, act_qtype=None)[0] == (
+      qwix.QuantizationRule(module_path="layers/[^/]+", weight_qtype=jnp.int8))
+  mixed = {"layers": {0: {"kernel": q8}, 1: {"kernel": {**q8, "qvalue": np.zeros((4, 4), "int4")}}}}
+  with pytest.warns(UserWarning, match="'layers/\\[\\^/\\]\\+' has weights of different rules"):
+    (rule,) = qwix.restore_quantization_rules(mixed, tile_size=None)
+  assert rule.weight_qtype == jnp.int4
+  with pytest.raises(ValueError, match="rule_type=.*QuantizationRule or"):
+    qwix.restore_quantization_rules(ckpt, qtrain.QtRule, tile_size=4)
+  qwix.QtProvider(rules)  # valid rules for qtrain
