@@ -26,8 +26,13 @@ nnx
   state is involved. A user's nnx module is quantized the same way when it
   keeps ``self.dot_general = jax.lax.dot_general`` (or ``einsum_op`` /
   ``conv_general_dilated``) and calls it with the weight as the second
-  operand; modules that call ``jax.lax`` directly are not intercepted under
-  nnx (``quantize_model`` warns when a rule matches such a module).
+  operand. A user's module that calls ``jnp.einsum``, ``jax.lax.dot_general``,
+  ``jax.lax.conv_general_dilated``, ``jnp.matmul`` or ``@`` itself gets a
+  subclass whose methods run in an interception frame (linen's,
+  :func:`qtrain.flax.intercept.module_frame`): the weight is the operand that
+  is one of the module's ``nnx.Param`` s, and each quantized call keeps a
+  :class:`QtOp` on the module under its op id (``einsum0``, ``dot_general1``),
+  created by the sample forward (a call it did not run raises).
   ``MultiHeadAttention``'s projections are quantized; its attention einsums
   (activation x activation) stay float. Rules with state (static or learned
   activation scales) need ``sample_args``: one eager forward creates the
@@ -553,7 +558,7 @@ def float_direct_calls(model) -> None:
 
 def direct_ops(model) -> list[str]:
   """``"path:op id"`` of every quantized direct call (a QtOp kept under its op id) in ``model``."""
-  return sorted(f"{op.path}:{name}" for _, node in nnx.iter_graph(model)
+  return sorted(f"{op.path or '<root>'}:{name}" for _, node in nnx.iter_graph(model)
                 if isinstance(node, nnx.Module)
                 for name, op in vars(node).items()
                 if isinstance(op, QtOp) and op.weight_param is not None)
@@ -828,13 +833,18 @@ def quantize_model(model, provider: provider_lib.QtProvider, *sample_args, rngs=
       and by a user's own module (the weight is the operand that is one of the
       module's parameters; otherwise the op stays float with a warning).
     * nnx: ``Linear``, ``LinearGeneral``, ``Conv``, ``Einsum``,
-      ``MultiHeadAttention``'s projections, and user modules that keep and
+      ``MultiHeadAttention``'s projections, user modules that keep and
       call a ``dot_general`` / ``einsum_op`` / ``conv_general_dilated``
-      attribute (weight second).
+      attribute (weight second), and user modules' own calls of ``jnp.einsum``,
+      ``jax.lax.dot_general``, ``jax.lax.conv_general_dilated``, ``jnp.matmul``
+      and ``@`` (the weight is the operand that is one of the module's
+      ``nnx.Param`` s; each such call's op is made by the sample forward, and a
+      quantized call that the sample forward did not run raises).
     * linen, left float with a warning where a rule would quantize them (and
       listed by :func:`summary`): ``jax.lax.ragged_dot`` /
       ``ragged_dot_general`` (mixture-of-experts layers; no quantized form).
-    * Never: ``x @ w``, ``jnp.dot``, ``jnp.matmul`` (they stay float, exactly),
+    * Never: ``jnp.dot``; in linen also ``x @ w`` and ``jnp.matmul`` (they stay
+      float, exactly),
       calls made inside an inner ``jax.jit`` / ``vmap`` / ``grad`` of a
       module's method (float, so the inner jit's cache stays float), attention
       score/value einsums (activation x activation, float).
