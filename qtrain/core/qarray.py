@@ -394,6 +394,7 @@ def nonfinite_to_nan(scale: jax.Array, x: jax.Array) -> jax.Array:
 # coarser grid; its values still come back to within half a step.
 TINY = float(np.finfo(np.float32).tiny)
 _F32_MAX = float(np.finfo(np.float32).max)
+_INF_BITS = 0x7F800000  # float32 +Inf; every NaN's magnitude bits are above it
 
 
 @functools.lru_cache(maxsize=None)
@@ -473,19 +474,30 @@ def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | 
   # min(x, 0) / max(x, 0) / max|x| with 0 as the identity: an empty group is all zero.
   gmin = lambda v: jnp.min(v, axis=red, keepdims=True, initial=0.0)
   gmax = lambda v: jnp.max(v, axis=red, keepdims=True, initial=0.0)
-  # Which groups hold NaN/Inf, from the data: a max reduction cannot be trusted to carry a NaN
-  # (XLA's CPU reduce-max drops it in large reductions: 4200 values holding NaNs gave 1.0).
-  # A sum of x * 0 is NaN exactly where a NaN or Inf is (0 otherwise): a float sum beside the
-  # bound's reduction, where isfinite + reduce_and is a separate boolean reduction.
+  # Which groups hold NaN/Inf: a float max reduction cannot be trusted to carry a NaN (XLA's
+  # CPU reduce-max drops it in large reductions: 4200 values holding NaNs gave 1.0). The bound's
+  # own reduction tells instead: max |x| is taken over the int32 bits of |x|, which order as the
+  # values do for finite ones, with Inf above them and every NaN above Inf, so the group's bound
+  # is Inf exactly where its data are not finite. No second reduction (a sum of x * 0, or
+  # isfinite + reduce_and: XLA wrote a weight's f32 products to HBM before reducing them over its
+  # leading axis) and no select before the max (XLA did not fuse one into that reduction either).
   names = _lax.bound_axis_names(x, spec.axis_names, "axis_names") if spec.axis_names else ()
   if names:  # shared across shard_map shards: the whole array's bounds
     gmin = lambda v, _f=gmin: jax.lax.pmin(_f(v), names)
     gmax = lambda v, _f=gmax: jax.lax.pmax(_f(v), names)
-  nonfinite = jnp.sum(xs * 0.0, axis=red, keepdims=True)
-  data_finite = (jax.lax.psum(nonfinite, names) if names else nonfinite) == 0
+
+  def top():  # max |x| per group; Inf where the group holds a NaN or an Inf
+    bits = jax.lax.bitcast_convert_type(xs, jnp.int32) & np.int32(0x7FFFFFFF)
+    b = jnp.max(bits, axis=red, keepdims=True, initial=np.int32(0))
+    if names:
+      b = jax.lax.pmax(b, names)
+    return jax.lax.bitcast_convert_type(jnp.minimum(b, np.int32(_INF_BITS)), jnp.float32)
+
   if cal.method == "minmax":
-    s, zp = _calibrate_minmax(gmin(xs), gmax(xs), qt, cal.multiplier, out_shape)
-    return jnp.where(data_finite.reshape(out_shape), s, jnp.nan), zp
+    nan = jnp.isnan(xs)
+    lo = gmin(jnp.where(nan, -jnp.inf, xs))
+    hi = gmax(jnp.where(nan, jnp.inf, xs))
+    return _calibrate_minmax(lo, hi, qt, cal.multiplier, out_shape)
   ax = jnp.abs(xs)
   codes = _symmetric_codes(qt, cal)
   if cal.method == "fixed":
@@ -494,14 +506,14 @@ def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | 
     if qt.kind == "binary":  # no zero code: an all-zero group gets scale 0, so it stays zero
       s = jnp.where(gmax(ax) == 0, 0.0, s.reshape(gmax(ax).shape)).reshape(out_shape)
     return s, None
-  finite = None  # where the group's data are finite (None: the bound tells)
   if cal.method == "absmax":
-    bound = gmax(ax)
+    bound = top()
     zero = bound == 0
+    finite = jnp.isfinite(bound)
   elif cal.method == "absmean":
     bound, zero, finite = _abs_mean(ax, red)
   elif cal.method == "rms":
-    m = gmax(ax)
+    m = top()
     zero = m == 0
     # Pre-scaled by the group's absmax: x * x would underflow (|x| < ~1e-19)
     # or overflow (|x| > ~1.8e19); (x / m)^2 <= 1 does neither where it matters.
@@ -516,8 +528,9 @@ def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | 
       bound = gmax(ax)
     # A 0 percentile of non-zero data is a real bound of 0 (everything clips
     # to the TINY grid); only all-zero data get the exact-zero scale.
-    zero = gmax(ax) == 0
-  finite = data_finite if finite is None else finite & data_finite
+    m = top()
+    zero = m == 0
+    finite = jnp.isfinite(m)
   zero_scale = 0.0 if qt.kind == "binary" else 1.0
   scale = jnp.where(zero, zero_scale, _bound_scale(bound, cal.multiplier, qt.qmax, codes))
   return jnp.where(finite, scale, jnp.nan).reshape(out_shape), None

@@ -286,20 +286,26 @@ def test_absmax_of_float32_max_comes_back_finite_and_exact(qtype):
 
 @pytest.mark.parametrize("method", [m for m in qarray.CALIBRATION_METHODS if m != "fixed"])
 @pytest.mark.parametrize("size", [7, 4200, 65536])
-@pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_nonfinite_value_in_a_large_group_makes_its_group_nan(method, size, bad):
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("reduced_axis", [1, 0], ids=["rows", "columns"])
+def test_nonfinite_value_in_a_large_group_makes_its_group_nan(method, size, bad, reduced_axis):
   """A max reduction does not carry NaN reliably (XLA's CPU reduce-max dropped it from 4200
-  values): the group's NaN scale must come from the data, at any group size."""
+  values): the group's NaN scale must come from the data, at any group size, whether the group
+  runs along the minor axis (activations) or the leading one (a weight's per-channel scale)."""
   qt = "int8"
   x = np.random.default_rng(size).standard_normal((2, size)).astype(np.float32)
   x[0, size // 3] = bad
+  channel = 1 - reduced_axis
+  if reduced_axis == 0:
+    x = np.ascontiguousarray(x.T)
   cal = (qarray.Calibration(method=method, percentile=99.0) if method == "percentile"
          else qarray.Calibration(method=method))
-  spec = qarray.QuantizeSpec(qtype=qt, channelwise_axes=(0,), calibration=cal)
+  spec = qarray.QuantizeSpec(qtype=qt, channelwise_axes=(channel,), calibration=cal)
   q = jax.jit(lambda v: qarray.quantize(v, spec))(jnp.asarray(x))
-  deq = np.asarray(qarray.dequantize(q))
-  assert np.isnan(np.asarray(q.scale)[0]).all() and np.isnan(deq[0]).all()
-  assert np.isfinite(np.asarray(q.scale)[1]).all() and np.isfinite(deq[1]).all()
+  scale = np.moveaxis(np.asarray(q.scale), channel, 0).reshape(2)
+  deq = np.moveaxis(np.asarray(qarray.dequantize(q)), channel, 0)
+  assert np.isnan(scale[0]) and np.isnan(deq[0]).all()
+  assert np.isfinite(scale[1]) and np.isfinite(deq[1]).all()
 
 
 @pytest.mark.parametrize("qtype", ["int8", "int7", "int5", "int4", "int3", "int2"])
