@@ -55,6 +55,7 @@ CONFIGS = {
     "qtrain_fp8_hash": "e4m3 forward, e5m2 gradients, low_bit_hash SR",
     "qtrain_fp8": "e4m3 forward, e5m2 gradients, uniform SR",
     "qtrain_binary": "binary weights and activations (absmean scales), float backward",
+    "qtrain_binary_g8": "qtrain_binary with int8 gradients (low_bit_hash SR): all three products int8",
     "qwix_int8": "qwix: w8a8, int8 gradients, uniform SR",
     "qwix_int8_fwd": "qwix: w8a8 forward, float backward",
     "qwix_fp8": "qwix: e4m3 forward, e5m2 gradients (qwix has no SR for fp8)",
@@ -112,9 +113,14 @@ def qtrain_rules(name: str):
     return [qtrain.QtRule(**common, weight_qtype="float8_e4m3fn", act_qtype="float8_e4m3fn",
                           bwd_qtype="float8_e5m2", bwd_stochastic_rounding=sr,
                           implementation=impl)]
-  if name == "qtrain_binary":
+  if name in ("qtrain_binary", "qtrain_binary_g8"):
+    # _g8: the backward products int8 too (the gradient quantized, the residuals' +-1 codes as
+    # int8), where qtrain_binary multiplies the float gradient by the dequantized residuals.
+    bwd = (dict(bwd_qtype="int8", bwd_stochastic_rounding="low_bit_hash")
+           if name == "qtrain_binary_g8" else {})
     return [qtrain.QtRule(**common, weight_qtype="binary", act_qtype="binary",
-                          weight_calibration_method="absmean", act_calibration_method="absmean")]
+                          weight_calibration_method="absmean", act_calibration_method="absmean",
+                          **bwd)]
   raise ValueError(name)
 
 
