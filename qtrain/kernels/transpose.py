@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from qtrain.kernels import _common
+from qtrain.kernels import sharded
 
 BLOCK = 64  # tile edge (elements); sizes that are not multiples fall back to jnp.transpose
 
@@ -105,11 +107,20 @@ def transpose(x: jax.Array, perm, *, interpret: bool = False, block: int = BLOCK
   return y.reshape(bshape + cshape + ashape)
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel_transpose(perm: tuple[int, ...]):
+  """One function per permutation: a static argument of the per-shard wrapper (a stable
+  object, so every call of one permutation shares its lowering)."""
+  return functools.partial(transpose, perm=perm)
+
+
 def gemm_transpose(x: jax.Array, perm) -> jax.Array:
-  """:func:`transpose` by the Pallas kernel when lowered for a CUDA GPU,
-  ``jnp.transpose`` for any other platform (chosen per lowering platform, so
-  a CPU computation in a process whose default backend is a GPU works too).
-  Not differentiable on the GPU branch: meant for quantized values."""
+  """:func:`transpose` by the Pallas kernel when lowered for a CUDA GPU (one kernel call per
+  shard under ``jax.jit`` with sharded operands: :mod:`qtrain.kernels.sharded`),
+  ``jnp.transpose`` for any other platform (chosen per lowering platform, so a CPU computation
+  in a process whose default backend is a GPU works too). Not differentiable on the GPU
+  branch: meant for quantized values."""
   perm = tuple(int(a) for a in perm)
-  return jax.lax.platform_dependent(x, cuda=lambda v: transpose(v, perm),
-                                    default=lambda v: jnp.transpose(v, perm))
+  return jax.lax.platform_dependent(
+      x, cuda=lambda v: sharded.transpose(v, perm, _kernel_transpose(perm)),
+      default=lambda v: jnp.transpose(v, perm))

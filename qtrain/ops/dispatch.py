@@ -134,7 +134,8 @@ def _auto(call: _base.DotCall) -> jax.Array:
     return jax.lax.platform_dependent(cuda=lambda: triton.run(plan),
                                       default=lambda: interpret.run(plan))
   xla = lambda: _AUTO_XLA.run(_AUTO_XLA.plan(call))
-  if _symbolic(call.lhs.shape) or _symbolic(call.rhs.shape):
+  # (A MosaicWeight rhs has concrete sizes by construction: only arrays and QArrays have shapes.)
+  if _symbolic(call.lhs.shape) or _symbolic(getattr(call.rhs, "shape", ())):
     # A symbolic dimension (jax.export with a shape variable): the GPU backends plan grids and
     # pick measured configs on concrete sizes, so the product is XLA's, valid for every size.
     return xla()

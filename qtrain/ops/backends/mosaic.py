@@ -28,6 +28,7 @@ from qtrain.core import qarray, qtypes
 from qtrain.kernels import _common
 from qtrain.kernels import mosaic_gemm as _gemm
 from qtrain.kernels import mosaic_matmul as _mosaic
+from qtrain.kernels import sharded as _sharded
 from qtrain.kernels import transpose as _transpose
 from qtrain.ops.backends import _base
 from qtrain.ops.backends._base import DotCall, Unsupported
@@ -49,7 +50,9 @@ class GemmPlan:
   b_scale: Any  # (N,) float32
   out_shape: tuple[int, ...]
   out_dtype: jnp.dtype
-  config: Any = None  # a GemmConfig checked for these shapes ("auto"), or None: the default
+  # "auto": the GemmConfig checked for the whole product's shapes; None: forced ("mosaic"),
+  # checked when it runs. Either way each shard runs the default config for its own shapes.
+  config: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +85,16 @@ class MosaicBackend:
 
   def run(self, plan: GemmPlan | MatmulPlan) -> jax.Array:
     if isinstance(plan, GemmPlan):
-      if plan.config is None:
-        out = _gemm.mosaic_gemm(plan.a, plan.b, a_scale=plan.a_scale, b_scale=plan.b_scale,
-                                out_dtype=plan.out_dtype)
-      else:
-        out = _gemm._gemm(plan.a, plan.b, plan.a_scale, plan.b_scale, plan.out_dtype, plan.config)
+      if plan.config is None:  # forced: shapes the kernel cannot tile raise here, by name
+        _gemm.checked_config(plan.a, plan.b, None, plan.out_dtype)
+        if not _common.on_gpu():
+          raise ValueError(f"the Mosaic GEMM runs on a GPU; this backend is "
+                           f"{jax.default_backend()!r}")
+        if jax.__version_info__ < (0, 11):
+          raise ValueError(f"the Mosaic GEMM needs jax >= 0.11 (Pallas Mosaic GPU); this is "
+                           f"jax {jax.__version__}")
+      out = _sharded.gemm(_gemm_on_shard, plan.a, plan.b, plan.a_scale, plan.b_scale,
+                          out_dtype=plan.out_dtype)
       return out.reshape(plan.out_shape)
     if plan.config is None:
       out = _mosaic.mosaic_matmul(plan.x, plan.w, x_scale=plan.x_scale, out_dtype=plan.out_dtype)
@@ -116,6 +124,18 @@ class MosaicBackend:
                                                                    plan.out_dtype))
     except (Unsupported, _mosaic.UnsupportedCall):
       return None
+
+
+def _gemm_on_shard(a, b, sa, sb, *, out_dtype) -> jax.Array:
+  """The Mosaic GEMM with the default config for the shapes it gets: the whole product on one
+  device, one shard's under ``jax.jit`` with sharded operands (:mod:`qtrain.kernels.sharded`).
+  A shard that does not tile (of a product that does) runs on XLA's int8 GEMM with the same
+  epilogue: the same numbers."""
+  try:
+    cfg = _gemm.checked_config(a, b, None, out_dtype)
+  except _mosaic.UnsupportedCall:
+    return _gemm.mosaic_gemm_reference(a, b, a_scale=sa, b_scale=sb, out_dtype=out_dtype)
+  return _gemm._gemm(a, b, sa, sb, out_dtype, cfg)
 
 
 def weight_qarray(w: _mosaic.MosaicWeight) -> qarray.QArray:

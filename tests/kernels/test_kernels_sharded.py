@@ -1,0 +1,58 @@
+"""Per-shard kernel calls (:mod:`qtrain.kernels.sharded`) on 4 fake CPU devices.
+
+Each partitioner (Shardy, JAX's default, and GSPMD) runs ``tests/kernels/_sharded_run.py`` in a
+subprocess (the device count must be set before jax starts) with a pure-jnp stand-in for the
+kernel. A Pallas call the partitioner knows nothing about runs on replicated operands (every
+device gathers the global batch); the wrappers say what each shard computes. These check that each shard computes its own block: M and N sharded give one device's numbers with
+no collective at all, a sharded K gives one all-reduce of the partial products (no all-gather
+of the operands) within float32 rounding of the exact product, and vmap, shard_map and one
+device run the kernel function as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+@pytest.fixture(scope="module", params=["shardy", "gspmd"])
+def run(request) -> dict:
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+  proc = subprocess.run([sys.executable, os.path.join(HERE, "_sharded_run.py"), request.param],
+                        capture_output=True, text=True, env=env, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case,spec", [("m", ["data", None]), ("m_n", ["data", "model"])])
+def test_gemm_sharded_along_m_and_n_computes_each_block_locally(run, case, spec):
+  r = run[case]
+  assert r["collectives"] == [], r
+  assert r["equal_one_device"], r
+  assert r["out_spec"] + [None] * (2 - len(r["out_spec"])) == spec
+
+
+@pytest.mark.parametrize("case", ["k", "m_k"])
+def test_gemm_sharded_along_k_sums_partial_products(run, case):
+  r = run[case]
+  assert r["collectives"] == ["all-reduce"], r  # the partial products, never the operands
+  # float32 partial sums of exact integer products, scaled: a few float32 ulps of the largest.
+  assert r["rel_err"] < 4 * 2.0 ** -24, r
+
+
+def test_transpose_keeps_every_axis_sharding(run):
+  r = run["transpose"]
+  assert r["equal"] and r["collectives"] == [] and r["out_spec"] == ["model", "data"], r
+
+
+def test_vmap_shard_map_and_one_device_run_the_kernel_function(run):
+  assert run["vmap_equal"] and run["vmap_transpose_equal"]
+  assert run["shard_map_equal"] and run["single_device_equal"]
