@@ -277,9 +277,7 @@ def _from_record(rec, provider, module_params: Mapping, state: Mapping, where: s
   else:
     _, dn, shapes, dtypes = rec.contraction
   w_idx = {"lhs": 0, "rhs": 1}[rec.weight_operand]
-  # Boxed parameters (nn.with_partitioning's nn.Partitioned) are matched by their arrays' shapes.
-  unboxed = {k: flax_meta.unbox(v) for k, v in module_params.items()}
-  name = hosts.weight_param_name(unboxed, shapes[w_idx], what="freeze", where=where)
+  name = hosts.weight_param_name(module_params, shapes[w_idx], what="freeze", where=where)
   raw = flax_meta.unbox(module_params[name])
   scale_kind, scale_a, bias_a = None, None, None
 

@@ -260,6 +260,38 @@ def test_merge_folds_adapters_into_float_weights():
     lora.merge(v, [rule])
 
 
+class Partitioned(nn.Module):
+  """Boxed parameters (nn.with_partitioning): a Dense kernel and a user module's own weight."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(12, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(),
+                                                      (None, "model")), name="up")(x)
+    w = self.param("w", nn.with_partitioning(nn.initializers.normal(0.3), ("model", None)),
+                   (12, 5))
+    return jnp.tanh(h) @ w
+
+
+def test_merge_folds_adapters_into_partitioned_weights():
+  rule = qtrain.QtRule(module_path=".*", lora_rank=2, lora_alpha=3.0)
+  prov = qtrain.QtProvider([rule])
+  qm = qtrain.quantize_model(Partitioned(), prov)
+  x = jax.random.normal(jax.random.key(0), (7, 10))
+  v = qm.init(jax.random.key(1), x)
+  assert isinstance(v["params"]["up"]["kernel"], nn.Partitioned)
+  v = {"params": _randomize_adapters(v["params"])}   # the boxes stay (flatten_dict's leaves)
+  merged = lora.merge(v, prov)
+  flat = traverse_util.flatten_dict(merged["params"], is_leaf=lambda _, x: isinstance(
+      x, nn.Partitioned))
+  assert sorted(flat) == [("up", "bias"), ("up", "kernel"), ("w",)]
+  for key, names in ((("up", "kernel"), (None, "model")), (("w",), ("model", None))):
+    assert isinstance(flat[key], nn.Partitioned) and flat[key].names == names
+  want = qm.apply(v, x)
+  assert float(jnp.abs(want - Partitioned().apply(v, x)).max()) > 0.01  # the adapters count
+  got = Partitioned().apply(merged, x)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
 # ----------------------------------------------------------------------------- QLoRA
 
 

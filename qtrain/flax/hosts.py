@@ -68,11 +68,12 @@ def weight_param_name(module_params: Mapping, shape, *, what: str, where: str) -
   """The name of the module's parameter that an op took as its weight operand, by shape.
 
   ``kernel`` where several parameters have the shape; the ops' own state
-  (learned scales and shifts, adapters) never counts. ``what`` starts the
-  error (``"freeze"``, ``"lora.merge"``), which names ``where``.
+  (learned scales and shifts, adapters) never counts. A boxed parameter
+  (``nn.with_partitioning``'s ``nn.Partitioned``) is its array's shape. ``what``
+  starts the error (``"freeze"``, ``"lora.merge"``), which names ``where``.
   """
   shape = tuple(shape)
-  own = {k: v for k, v in module_params.items()
+  own = {k: meta.unbox(v) for k, v in module_params.items()
          if not isinstance(v, Mapping) and not k.endswith(OP_PARAM_SUFFIXES)}
   hits = [k for k, v in own.items() if tuple(np.shape(v)) == shape]
   if "kernel" in hits:
