@@ -503,9 +503,12 @@ def _quantize_params_nnx(params: Mapping, model, allow_extra_params: bool = Fals
 
 
 def _ptq_nnx(model, provider: PtqProvider, model_inputs, kwargs):
-  hooks = freeze_lib._nnx_hooks(model, model_lib.QtOp)
-  if hooks:  # a QT model (qtrain's): freeze it as it is, if its rules are these
-    for _, _, _, op in hooks:
+  # A QT model (qtrain's) has QtOps: its layers' (op attributes) and its modules' direct calls'
+  # (kept under their op ids). It is frozen as it is, if its rules are these; freeze names the
+  # direct calls it cannot take yet.
+  qt_ops = [node for _, node in nnx.iter_graph(model) if isinstance(node, model_lib.QtOp)]
+  if qt_ops:
+    for op in qt_ops:
       if tuple(op.provider.rules) != provider.rules:
         raise ValueError(f"quantize_model(qt_model, PtqProvider): the op of {op.path!r} was "
                          "quantized with other rules than the PtqProvider's; pass the rules the "

@@ -673,3 +673,33 @@ def test_restore_quantization_rules_reads_one_rule_per_module():
   with pytest.raises(ValueError, match="rule_type=.*QuantizationRule or"):
     qwix.restore_quantization_rules(ckpt, qtrain.QtRule, tile_size=4)
   qwix.QtProvider(rules)  # valid rules for qtrain
+
+
+class _NnxDirect(nnx.Module):
+  """A module whose products are its own calls: jnp.einsum and @ on its nnx.Params."""
+
+  def __init__(self, rngs):
+    self.w1 = nnx.Param(jax.random.normal(rngs.params(), (16, 32)) * 0.2)
+    self.w2 = nnx.Param(jax.random.normal(rngs.params(), (32, 4)) * 0.2)
+
+  def __call__(self, x):
+    return nnx.relu(jnp.einsum("bd,df->bf", x, self.w1[...])) @ self.w2
+
+
+def test_nnx_ptq_of_a_qt_model_with_direct_calls_raises_naming_them():
+  """A QT model whose quantized ops are direct calls (no layer op attribute) is a QT model to
+  PTQ: it is not quantized a second time ('already quantized'), and freeze's error names the
+  calls it cannot freeze yet; the QT model is left as it is."""
+  rules = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8", act_qtype="int8")]
+  x = jax.random.normal(jax.random.key(0), (8, 16), jnp.float32)
+  qm = qwix.quantize_model(_NnxDirect(nnx.Rngs(0)), qwix.QtProvider(rules), x)
+  want = np.asarray(qm(x))
+  for inputs in ((x,), ()):
+    with pytest.raises(ValueError, match=r"freeze: nnx modules of this model quantize direct "
+                       r"calls \(\['<root>:dot_general0', '<root>:einsum0'\]"):
+      qwix.quantize_model(qm, qwix.PtqProvider(rules, implementation="xla"), *inputs)
+  other = [qwix.QuantizationRule(module_path=".*", weight_qtype="int4", act_qtype="int8")]
+  with pytest.raises(ValueError, match=r"the op of '' was quantized with other rules"):
+    qwix.quantize_model(qm, qwix.PtqProvider(other), x)
+  np.testing.assert_array_equal(np.asarray(qm(x)), want)
+  assert isinstance(qm.einsum0, model_lib.QtOp) and isinstance(qm.dot_general0, model_lib.QtOp)
