@@ -569,7 +569,8 @@ def _freeze_nnx(model, provider=None):
     listing = provider_lib._listing(direct)
     raise ValueError(
         f"freeze: nnx modules of this model quantize direct calls ({listing}: "
-        "jnp.einsum / jax.lax.dot_general / conv_general_dilated / @ in their own code), which "
+        "jnp.einsum / jax.lax.dot_general / conv_general_dilated / @ / jnp.dot in their own code), "
+        "which "
         "freeze does not take yet: compute those products with nnx.Linear / nnx.Einsum / "
         "nnx.Conv, or keep the op as an attribute (self.dot_general = jax.lax.dot_general); "
         "or keep them float with a first rule that sets no qtype")

@@ -27,7 +27,8 @@ RULES = [qtrain.QtRule(module_path=".*", weight_qtype="int8", act_qtype="int8", 
 X = jax.random.normal(jax.random.key(0), (16, 32))
 W = jax.random.normal(jax.random.key(1), (32, 32))
 
-ORIGINALS = (jax.lax.dot_general, jnp.einsum, jax.lax.conv_general_dilated)
+ORIGINALS = (jax.lax.dot_general, jnp.einsum, jax.lax.conv_general_dilated, jnp.matmul, jnp.dot,
+             jnp.tensordot, jnp.inner)
 
 
 @jax.jit
@@ -53,8 +54,8 @@ class UsesEverything(nn.Module):
     return dict(
         direct=jax.lax.dot_general(x, w, DN),          # intercepted (w is the parameter)
         einsum=jnp.einsum("bi,ij->bj", x, w),          # intercepted (own einsum, not jnp's jit)
-        matmul=x @ w,                                  # not intercepted: float by design
-        dot=jnp.dot(x, w),                             # not intercepted: float by design
+        matmul=x @ w,                                  # intercepted (w is the parameter)
+        dot=jnp.dot(x, w),                             # intercepted (w is the parameter)
         helper=shared_helper(x, w),                    # inner jit: float by design
         dense=nn.Dense(32, use_bias=False, kernel_init=lambda *_: W)(x),  # intercepted
         # A known layer whose op is an inner jit: the weight is known by convention, so only
@@ -68,6 +69,8 @@ def _float_results():
   return dict(
       matmul=jax.jit(lambda x, w: x @ w)(X, W),
       matmul_eager=X @ W,
+      dot=jax.jit(lambda x, w: jnp.dot(x, w))(X, W),
+      dot_eager=jnp.dot(X, W),
       einsum=jax.jit(lambda x, w: jnp.einsum("bi,ij->bj", x, w))(X, W),
       einsum_eager=jnp.einsum("bi,ij->bj", X, W),
       dot_general=jax.lax.dot_general(X, W, DN),
@@ -94,9 +97,9 @@ def test_float_results_bit_identical_before_and_after(jit_quantized):
   _assert_all_equal(before, after)
   # Inside the quantized model: quantized where intercepted, exactly float elsewhere.
   exact = X @ W
-  for k in ("matmul", "dot", "helper", "dense_jit_op"):
+  for k in ("helper", "dense_jit_op"):
     np.testing.assert_array_equal(out[k], exact, err_msg=k)
-  for k in ("direct", "einsum", "dense"):
+  for k in ("direct", "einsum", "matmul", "dot", "dense"):
     assert not np.array_equal(out[k], exact), k
     np.testing.assert_allclose(out[k], exact, rtol=0.05, atol=0.2)
   for fn in ORIGINALS:
@@ -153,10 +156,13 @@ def test_patches_restored_after_exception():
       assert jax.lax.dot_general is not ORIGINALS[0]  # installed during the call
       raise RuntimeError("boom")
 
+  matmul_methods = (vars(type(X))["__matmul__"], vars(type(X))["__rmatmul__"])
   qm = qtrain.quantize_model(Boom(), qtrain.QtProvider(RULES))
   with pytest.raises(RuntimeError, match="boom"):
     jax.jit(qm.init)(jax.random.key(0), X)
-  assert (jax.lax.dot_general, jnp.einsum, jax.lax.conv_general_dilated) == ORIGINALS
+  assert (jax.lax.dot_general, jnp.einsum, jax.lax.conv_general_dilated, jnp.matmul, jnp.dot,
+          jnp.tensordot, jnp.inner) == ORIGINALS
+  assert (vars(type(X))["__matmul__"], vars(type(X))["__rmatmul__"]) == matmul_methods
   assert not _intercept.installed()
 
 
@@ -193,7 +199,7 @@ def test_threads_float_and_quantized_concurrently():
   assert not _intercept.installed()
 
 
-@pytest.mark.parametrize("op", ["dot_general", "einsum"])
+@pytest.mark.parametrize("op", ["dot_general", "einsum", "matmul", "dot"])
 def test_out_sharding_on_a_quantized_op_raises_naming_the_module_and_the_way_out(op):
   """Quantized ops do not take out_sharding: a call with one raises (never a quiet float op),
   naming the module and the float rule that would keep it; with that rule first it runs float."""
@@ -206,13 +212,16 @@ def test_out_sharding_on_a_quantized_op_raises_naming_the_module_and_the_way_out
       w = self.param("kernel", nn.initializers.normal(1.0), (8, 4))
       if op == "einsum":
         return jnp.einsum("bk,kn->bn", x, w, out_sharding=out)
+      if op in ("matmul", "dot"):
+        return getattr(jnp, op)(x, w, out_sharding=out)
       return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), out_sharding=out)
 
   x = jax.random.normal(jax.random.key(0), (2, 8))
   quant = qtrain.QtRule(weight_qtype="int8", act_qtype="int8")
   model = qtrain.quantize_model(M(), qtrain.QtProvider([quant]))
   with pytest.raises(NotImplementedError,
-                     match=rf"{op}.*in module ''.*out_sharding=NamedSharding.*"
+                     match=rf"{'einsum' if op == 'einsum' else 'dot_general'}.*in module ''.*"
+                           r"out_sharding=NamedSharding.*"
                            r"QtRule\(module_path=''\)"):
     model.init(jax.random.key(1), x)
   kept = qtrain.quantize_model(M(), qtrain.QtProvider([qtrain.QtRule(module_path=""), quant]))

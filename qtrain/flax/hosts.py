@@ -29,11 +29,13 @@ _LINEN_NO_WEIGHT = (nn.MultiHeadDotProductAttention,)
 NO_WEIGHT_BY_DESIGN = -1
 
 
-def linen_weight_operand(module, op_name: str, operands) -> int | None:
-  """Index of the weight operand: by calling convention, else by parameter identity."""
-  if isinstance(module, _LINEN_RHS_WEIGHT):
+def linen_weight_operand(module, op_name: str, operands, *,
+                         by_convention: bool = True) -> int | None:
+  """Index of the weight operand: by a Flax layer's calling convention (``by_convention``),
+  else by parameter identity."""
+  if by_convention and isinstance(module, _LINEN_RHS_WEIGHT):
     return 1
-  if isinstance(module, _LINEN_NO_WEIGHT):
+  if by_convention and isinstance(module, _LINEN_NO_WEIGHT):
     return NO_WEIGHT_BY_DESIGN
   try:
     params = module.variables.get("params", {})

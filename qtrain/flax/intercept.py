@@ -4,11 +4,12 @@ linen layers look ``jax.lax.dot_general``, ``jax.lax.conv_general_dilated``
 and ``jax.numpy.einsum`` up at call time, so a quantized linen model's call
 (see :class:`qtrain.flax.model.QtLinenModel`) does three things for its duration:
 
-1. installs *dispatchers* in place of those three public names, and of
-   ``jax.lax.ragged_dot`` / ``ragged_dot_general`` (which have no quantized
-   form: they run in float, recorded, with a warning where a rule would
-   quantize them) (reference counted: installed when the first quantized call
-   in the process starts, the originals put back when the last one ends);
+1. installs *dispatchers* in place of those three public names, of the
+   matmul family (below), and of ``jax.lax.ragged_dot`` /
+   ``ragged_dot_general`` (which have no quantized form: they run in float,
+   recorded, with a warning where a rule would quantize them) (reference
+   counted: installed when the first quantized call in the process starts,
+   the originals put back when the last one ends);
 2. registers a ``flax.linen.intercept_methods`` interceptor (thread-local in
    Flax) that pushes a *frame* — the running module, the provider, and the
    JAX trace state at the moment the module's method was entered — on a
@@ -31,19 +32,24 @@ original function unchanged:
   provider and the core ops run, so their internal calls are never
   re-intercepted).
 
-``x @ w``, ``jnp.dot``, ``jnp.matmul`` inside a linen module therefore stay
-float (they use JAX's internal ``dot_general``, never the public name): use
-``jax.lax.dot_general`` / ``jnp.einsum`` or a Flax layer to quantize.
+The matmul family (``x @ w``, ``jnp.matmul``, ``jnp.dot``, ``jnp.tensordot``,
+``jnp.inner``) is one dot_general each, which JAX computes with its internal
+``dot_general``, never the public name. While dispatchers are installed, those
+public functions and the ``@`` operator of arrays and tracers
+(:func:`_matmul_targets`) are dispatchers too: a call made in the frame of a
+user's module (linen or nnx) becomes that module's ``dot_general`` op, its
+weight found as for ``jax.lax.dot_general`` (by parameter identity). In the
+frame of a Flax (or qtrain) module they pass through: Flax's layers make their
+own ``lax.dot_general`` / ``jnp.einsum`` calls, which are the ones quantized
+(``nn.Embed.attend``'s ``jnp.dot`` stays float, as its ``embedding.T`` is no
+parameter anyway).
 
 nnx modules have no method interceptor: :mod:`qtrain.flax.model` gives each
 user nnx module of a quantized model a subclass whose methods run inside
 :func:`module_frame`, the same frames and dispatchers with a ``sites`` hook
 that says where an op keeps its state (a ``QtOp`` on the module) and which
 operand is the weight (one of the module's ``nnx.Param`` values, by
-identity). An nnx frame also catches the matmul operator and ``jnp.matmul``
-(:data:`_MATMUL_TARGETS`): an nnx module commonly writes ``x @ self.w``,
-and catching them is as safe as the rest (same thread, same trace level).
-Linen frames let matmuls pass through, as before.
+identity).
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qtrain import provider as provider_lib
 from qtrain.flax import hosts
@@ -64,6 +71,12 @@ try:  # public since jax 0.4.36; used by flax.nnx too.
   from jax.extend.core import get_opaque_trace_state as _get_trace_state
 except ImportError:  # pragma: no cover
   from jax._src.core import get_opaque_trace_state as _get_trace_state  # type: ignore
+
+
+try:  # the class of concrete arrays, importable without starting a backend
+  from jax._src.array import ArrayImpl as _ArrayImpl
+except ImportError:  # pragma: no cover
+  _ArrayImpl = None
 
 
 def trace_state():
@@ -135,26 +148,28 @@ def sentinel():
 _install_lock = threading.Lock()
 _install_count = 0
 _originals: dict[str, Any] = {}
-_TARGETS = (("jax.lax", jax.lax, "dot_general"), ("jax.lax", jax.lax, "conv_general_dilated"),
-            ("jax.numpy", jnp, "einsum"), ("jax.lax", jax.lax, "ragged_dot"),
-            ("jax.lax", jax.lax, "ragged_dot_general"))
+# The public functions replaced by dispatchers: (module, name).
+_TARGETS = ((jax.lax, "dot_general"), (jax.lax, "conv_general_dilated"), (jnp, "einsum"),
+            (jax.lax, "ragged_dot"), (jax.lax, "ragged_dot_general"), (jnp, "matmul"),
+            (jnp, "dot"), (jnp, "tensordot"), (jnp, "inner"))
+_JNP_NAMES = frozenset(name for mod, name in _TARGETS if mod is jnp)
 
 
 def original(name: str):
   """The original public function (also while dispatchers are installed)."""
   if name in _originals:
     return _originals[name]
-  mod = jnp if name in ("einsum", "matmul") else jax.lax
-  return getattr(mod, name)
+  return getattr(jnp if name in _JNP_NAMES else jax.lax, name)
 
 
 def _install():
   global _install_count
   with _install_lock:
     if _install_count == 0:
-      for _, mod, name in _TARGETS:
+      for mod, name in _TARGETS:
         _originals[name] = getattr(mod, name)
         setattr(mod, name, _DISPATCHERS[name])
+      _install_operators()
     _install_count += 1
 
 
@@ -163,36 +178,54 @@ def _uninstall():
   with _install_lock:
     _install_count -= 1
     if _install_count == 0:
-      for _, mod, name in _TARGETS:
+      for mod, name in _TARGETS:
         setattr(mod, name, _originals.pop(name))
+      _uninstall_operators()
 
 
 def installed() -> bool:
   return _install_count > 0
 
 
-def _active(op_name: str, *, nnx_only: bool = False) -> tuple[Frame | None, str | None]:
+def _active(op_name: str, *, user_frames_only: bool = False) -> tuple[Frame | None, str | None]:
   """The frame to act in and the op id, or (None, None): pass the call through.
 
   A call at another trace level than the frame's method was entered at is
   passed through silently: it is made inside an inner jit / transform of the
   method (a user's jitted helper, ``jnp`` internals), or it is qtrain's own
   core op being traced lazily (custom_vjp forward/backward). Either way the
-  cached inner jaxpr must stay float. ``nnx_only``: linen frames pass the call
-  through too (the matmul operator, which linen leaves float).
+  cached inner jaxpr must stay float. ``user_frames_only`` (the matmul family):
+  the frame of a Flax or qtrain linen module passes the call through too, since
+  such a layer's quantized ops are its own ``lax.dot_general`` / ``jnp.einsum``.
   """
   f = current_frame()
-  if f is None or f.trace != trace_state() or (nnx_only and f.sites is None):
+  if f is None or f.trace != trace_state():
+    return None, None
+  if user_frames_only and f.sites is None and _library_module(f.module):
     return None, None
   return f, f.next_id(op_name)
 
 
-def _site(f: Frame, op_name: str, op_id: str, operands) -> tuple[Any, int | None]:
-  """(host, weight operand index) of an op called in frame ``f``."""
+# Top-level packages whose classes are no user's: a linen module made only of these is a
+# library layer (Flax's, the classes its lifted transforms derive from them, qtrain's).
+_LIBRARY_PACKAGES = frozenset({"flax", "qtrain", "jax", "builtins", "abc", "typing"})
+
+
+def _library_module(module) -> bool:
+  """A linen module none of whose classes is the user's (``nn.remat(UserBlock)`` is the
+  user's: its class derives from UserBlock)."""
+  return all(k.__module__.split(".")[0] in _LIBRARY_PACKAGES for k in type(module).__mro__)
+
+
+def _site(f: Frame, op_name: str, op_id: str, operands, *,
+          by_identity: bool = False) -> tuple[Any, int | None]:
+  """(host, weight operand index) of an op called in frame ``f``; ``by_identity``: the weight
+  is the operand that is one of the module's parameters, whatever the module's class (a matmul
+  a user's subclass of ``nn.Dense`` makes is not the layer's own op)."""
   if f.sites is not None:
     return f.sites(f, op_name, op_id, operands)
   return (hosts.LinenHost(f.module, op_id),
-          hosts.linen_weight_operand(f.module, op_name, operands))
+          hosts.linen_weight_operand(f.module, op_name, operands, by_convention=not by_identity))
 
 
 def _dispatch_dot_general(lhs, rhs, dimension_numbers, precision=None,
@@ -256,17 +289,8 @@ def _ragged(name: str):
   return dispatch
 
 
-_DISPATCHERS = {"dot_general": _dispatch_dot_general, "einsum": _dispatch_einsum,
-                "conv_general_dilated": _dispatch_conv, "ragged_dot": _ragged("ragged_dot"),
-                "ragged_dot_general": _ragged("ragged_dot_general")}
-
-for _name, _fn in _DISPATCHERS.items():
-  _fn.__qtrain_dispatcher__ = _name  # type: ignore[attr-defined]
-  _fn.__wrapped__ = original(_name)  # type: ignore[attr-defined]
-
-
 # ---------------------------------------------------------------------------
-# The matmul operator and jnp.matmul (nnx frames only).
+# The matmul family: ``@``, jnp.matmul, jnp.dot, jnp.tensordot, jnp.inner (each one dot_general).
 
 
 def _as_array(x):
@@ -293,32 +317,104 @@ def matmul_dimension_numbers(lhs_shape, rhs_shape) -> tuple | None:
   return None
 
 
-def _dispatch_matmul_call(a, b, float_call: Callable, precision=None,
-                          preferred_element_type=None):
-  """``a @ b`` (``jnp.matmul(a, b)``) in an nnx frame: a dot_general op of the module when one
-  operand is its parameter; ``float_call()`` (the original) wherever it stays float."""
-  f, op_id = _active("dot_general", nnx_only=True)
+def dot_dimension_numbers(lhs_shape, rhs_shape) -> tuple | None:
+  """``jnp.dot(lhs, rhs)`` as one dot_general: lhs's last axis against rhs's second-to-last
+  (its only one when 1-D); dot_general's output (lhs's free axes, then rhs's) is jnp.dot's.
+  None for a 0-d operand (a scalar product, not a matmul)."""
+  nl, nr = len(lhs_shape), len(rhs_shape)
+  if nl == 0 or nr == 0:
+    return None
+  return (((nl - 1,), (max(nr - 2, 0),)), ((), ()))
+
+
+def inner_dimension_numbers(lhs_shape, rhs_shape) -> tuple | None:
+  """``jnp.inner(lhs, rhs)``: the last axes of both contracted; None for a 0-d operand."""
+  nl, nr = len(lhs_shape), len(rhs_shape)
+  if nl == 0 or nr == 0:
+    return None
+  return (((nl - 1,), (nr - 1,)), ((), ()))
+
+
+def tensordot_dimension_numbers(lhs_shape, rhs_shape, axes) -> tuple | None:
+  """``jnp.tensordot(lhs, rhs, axes)`` as one dot_general (its output, lhs's free axes then
+  rhs's, is tensordot's); None where nothing is contracted (an outer product). Raises
+  ValueError / TypeError for axes jnp.tensordot rejects."""
+  nl, nr = len(lhs_shape), len(rhs_shape)
+  if isinstance(axes, int):
+    if not 0 <= axes <= min(nl, nr):
+      raise ValueError(f"axes={axes}")
+    ca, cb = tuple(range(nl - axes, nl)), tuple(range(axes))
+  else:
+    ax_a, ax_b = axes
+    ax_a = (ax_a,) if isinstance(ax_a, int) else tuple(ax_a)
+    ax_b = (ax_b,) if isinstance(ax_b, int) else tuple(ax_b)
+    if len(ax_a) != len(ax_b) or not all(-nl <= i < nl for i in ax_a) or not all(
+        -nr <= i < nr for i in ax_b):
+      raise ValueError(f"axes={axes}")
+    ca, cb = tuple(i % nl for i in ax_a), tuple(i % nr for i in ax_b)
+    if len(set(ca)) != len(ca) or len(set(cb)) != len(cb):
+      raise ValueError(f"axes={axes}")
+  if any(lhs_shape[i] != rhs_shape[j] for i, j in zip(ca, cb)):
+    raise ValueError(f"axes={axes}")
+  if not ca:
+    return None
+  return ((ca, cb), ((), ()))
+
+
+# The keyword arguments of the jnp functions that a quantized product takes over.
+_PRODUCT_KWARGS = frozenset({"precision", "preferred_element_type", "out_sharding"})
+
+
+def _dispatch_product(a, b, dimension_numbers: Callable, kwargs: dict, float_call: Callable):
+  """``a (x) b`` of the matmul family: in a user module's frame, a dot_general op of the
+  module (``dimension_numbers(lhs shape, rhs shape)``, its weight the operand that is one of
+  the module's parameters); ``float_call()`` (the original function) wherever it stays float.
+
+  An invalid call (axes or shapes the function rejects, operands it does not take) is left to
+  ``float_call``, which raises JAX's own error.
+  """
+  f, op_id = _active("dot_general", user_frames_only=True)
   if f is None:
     return float_call()
   with sentinel():
     lhs, rhs = _as_array(a), _as_array(b)
-    dn = matmul_dimension_numbers(jnp.shape(lhs), jnp.shape(rhs))
-    if dn is None:
-      f.provider.note_skipped(f.path, op_id, "dot_general", provider_lib.FLOAT_UNSUPPORTED,
-                              shapes=(jnp.shape(lhs), jnp.shape(rhs)))
+    if not all(isinstance(o, (jax.Array, np.ndarray, np.generic, int, float, complex))
+               for o in (lhs, rhs)):
       return float_call()
-    host, w = _site(f, "dot_general", op_id, (lhs, rhs))
+    shapes = (jnp.shape(lhs), jnp.shape(rhs))
+    try:
+      dn = dimension_numbers(*shapes)
+    except (TypeError, ValueError):
+      return float_call()
+    if dn is None or not _PRODUCT_KWARGS.issuperset(kwargs):
+      f.provider.note_skipped(f.path, op_id, "dot_general", provider_lib.FLOAT_UNSUPPORTED,
+                              shapes=shapes)
+      return float_call()
+    host, w = _site(f, "dot_general", op_id, (lhs, rhs), by_identity=True)
+    # A numpy or Python operand (never the weight: parameters are JAX arrays) as an array.
+    lhs, rhs = (o if isinstance(o, jax.Array) else jnp.asarray(o) for o in (lhs, rhs))
     return f.provider.dot_general(
-        host, f.path, op_id, lhs, rhs, dn, precision, preferred_element_type, weight_operand=w,
-        fallback=lambda *args, **kwargs: float_call())
+        host, f.path, op_id, lhs, rhs, dn, kwargs.get("precision"),
+        kwargs.get("preferred_element_type"), weight_operand=w,
+        fallback=lambda *args, **kw: float_call(), out_sharding=kwargs.get("out_sharding"))
 
 
-def _dispatch_jnp_matmul(a, b, *, precision=None, preferred_element_type=None, **kwargs):
-  orig = original("matmul")
-  return _dispatch_matmul_call(
-      a, b, lambda: orig(a, b, precision=precision, preferred_element_type=preferred_element_type,
-                         **kwargs),
-      precision=precision, preferred_element_type=preferred_element_type)
+def _product_dispatcher(name: str, dimension_numbers: Callable):
+  """The dispatcher of ``jnp.<name>(a, b, **kwargs)``."""
+
+  def dispatch(a, b, **kwargs):
+    orig = original(name)
+    return _dispatch_product(a, b, dimension_numbers, kwargs, lambda: orig(a, b, **kwargs))
+
+  dispatch.__name__ = dispatch.__qualname__ = f"_dispatch_{name}"
+  return dispatch
+
+
+def _dispatch_tensordot(a, b, axes=2, **kwargs):
+  orig = original("tensordot")
+  return _dispatch_product(
+      a, b, lambda ls, rs: tensordot_dimension_numbers(ls, rs, axes), kwargs,
+      lambda: orig(a, b, axes, **kwargs))
 
 
 def _operator(name: str, swap: bool):
@@ -328,53 +424,65 @@ def _operator(name: str, swap: bool):
   def dispatch(self, other):
     orig = _operator_originals[name]
     if swap:
-      return _dispatch_matmul_call(other, self, lambda: orig(self, other))
-    return _dispatch_matmul_call(self, other, lambda: orig(self, other))
+      return _dispatch_product(other, self, matmul_dimension_numbers, {},
+                               lambda: orig(self, other))
+    return _dispatch_product(self, other, matmul_dimension_numbers, {}, lambda: orig(self, other))
 
-  dispatch.__name__ = dispatch.__qualname__ = f"_dispatch{name}"
+  dispatch.__name__ = dispatch.__qualname__ = f"_dispatch_{name.replace('.', '_')}"
   return dispatch
 
 
 # Where JAX binds ``@``: concrete arrays (ArrayImpl's methods) and tracers (which forward
-# ``__matmul__`` to their aval's ``_matmul``, a staticmethod of ShapedArray); plus the public
-# ``jnp.matmul``. (owner, attribute, dispatcher, wrap as staticmethod)
-_ARRAY_IMPL = type(jnp.zeros(()))
-_MATMUL_TARGETS = (
-    (_ARRAY_IMPL, "__matmul__", _operator("ArrayImpl.__matmul__", False), False),
-    (_ARRAY_IMPL, "__rmatmul__", _operator("ArrayImpl.__rmatmul__", True), False),
-    (jax.core.ShapedArray, "_matmul", _operator("ShapedArray._matmul", False), True),
-    (jax.core.ShapedArray, "_rmatmul", _operator("ShapedArray._rmatmul", True), True),
-    (jnp, "matmul", _dispatch_jnp_matmul, False),
-)
+# ``__matmul__`` to their aval's ``_matmul``, a staticmethod of ShapedArray).
+# (owner's name, attribute, swap the operands, a staticmethod)
+_OPERATORS = (("ArrayImpl", "__matmul__", False, False), ("ArrayImpl", "__rmatmul__", True, False),
+              ("ShapedArray", "_matmul", False, True), ("ShapedArray", "_rmatmul", True, True))
+_OPERATOR_DISPATCHERS = {f"{o}.{attr}": _operator(f"{o}.{attr}", swap)
+                         for o, attr, swap, _ in _OPERATORS}
 _operator_originals: dict[str, Any] = {}
-_matmul_saved: dict[tuple[Any, str], Any] = {}
-_matmul_count = 0
+_operator_saved: dict[tuple[Any, str], Any] = {}
 
 
-def _install_matmul():
-  global _matmul_count
-  with _install_lock:
-    if _matmul_count == 0:
-      for owner, attr, fn, static in _MATMUL_TARGETS:
-        raw = vars(owner)[attr] if isinstance(owner, type) else getattr(owner, attr)
-        _matmul_saved[(owner, attr)] = raw
-        key = "matmul" if owner is jnp else f"{owner.__name__}.{attr}"
-        # The function itself (a staticmethod unwrapped), for the dispatcher to call.
-        _operator_originals[key] = getattr(owner, attr)
-        if owner is jnp:
-          _originals["matmul"] = raw
-        setattr(owner, attr, staticmethod(fn) if static else fn)
-    _matmul_count += 1
+def _array_impl() -> type:
+  """The class of JAX's concrete arrays. Never ``type(jnp.zeros(()))`` at import: creating an
+  array starts JAX's backend, after which a user's ``XLA_FLAGS`` or ``jax_platforms`` set after
+  ``import qtrain`` would be ignored."""
+  if _ArrayImpl is not None:
+    return _ArrayImpl
+  return type(jnp.zeros(()))  # pragma: no cover - a JAX without jax._src.array.ArrayImpl
 
 
-def _uninstall_matmul():
-  global _matmul_count
-  with _install_lock:
-    _matmul_count -= 1
-    if _matmul_count == 0:
-      for owner, attr, _, _ in _MATMUL_TARGETS:
-        setattr(owner, attr, _matmul_saved.pop((owner, attr)))
-      _originals.pop("matmul", None)
+def _operator_owner(name: str) -> type:
+  return _array_impl() if name == "ArrayImpl" else jax.core.ShapedArray
+
+
+def _install_operators() -> None:
+  for o, attr, _, static in _OPERATORS:
+    owner = _operator_owner(o)
+    _operator_saved[(owner, attr)] = vars(owner)[attr]
+    # The function itself (a staticmethod unwrapped), for the dispatcher to call.
+    _operator_originals[f"{o}.{attr}"] = getattr(owner, attr)
+    fn = _OPERATOR_DISPATCHERS[f"{o}.{attr}"]
+    setattr(owner, attr, staticmethod(fn) if static else fn)
+
+
+def _uninstall_operators() -> None:
+  for (owner, attr), raw in list(_operator_saved.items()):
+    setattr(owner, attr, raw)
+  _operator_saved.clear()
+
+
+_DISPATCHERS = {"dot_general": _dispatch_dot_general, "einsum": _dispatch_einsum,
+                "conv_general_dilated": _dispatch_conv, "ragged_dot": _ragged("ragged_dot"),
+                "ragged_dot_general": _ragged("ragged_dot_general"),
+                "matmul": _product_dispatcher("matmul", matmul_dimension_numbers),
+                "dot": _product_dispatcher("dot", dot_dimension_numbers),
+                "tensordot": _dispatch_tensordot,
+                "inner": _product_dispatcher("inner", inner_dimension_numbers)}
+
+for _name, _fn in _DISPATCHERS.items():
+  _fn.__qtrain_dispatcher__ = _name  # type: ignore[attr-defined]
+  _fn.__wrapped__ = original(_name)  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------
@@ -391,7 +499,6 @@ def module_frame(module, provider, path: str, sites: Callable, counters: dict | 
   attribute op of the module already takes).
   """
   _install()
-  _install_matmul()
   frames = _frames()
   top = frames[-1] if frames else None
   shared = top.counters if (top is not None and top.module is module) else dict(counters or {})
@@ -401,7 +508,6 @@ def module_frame(module, provider, path: str, sites: Callable, counters: dict | 
     yield
   finally:
     frames.pop()
-    _uninstall_matmul()
     _uninstall()
 
 

@@ -27,7 +27,8 @@ nnx
   keeps ``self.dot_general = jax.lax.dot_general`` (or ``einsum_op`` /
   ``conv_general_dilated``) and calls it with the weight as the second
   operand. A user's module that calls ``jnp.einsum``, ``jax.lax.dot_general``,
-  ``jax.lax.conv_general_dilated``, ``jnp.matmul`` or ``@`` itself gets a
+  ``jax.lax.conv_general_dilated`` or the matmul family (``@``, ``jnp.matmul``,
+  ``jnp.dot``, ``jnp.tensordot``, ``jnp.inner``) itself gets a
   subclass whose methods run in an interception frame (linen's,
   :func:`qtrain.flax.intercept.module_frame`): the weight is the operand that
   is one of the module's ``nnx.Param`` s, and each quantized call keeps a
@@ -394,7 +395,8 @@ _observed = _Observed()
 
 
 # ---------------------------------------------------------------------------
-# Direct calls: jnp.einsum / jax.lax.dot_general / conv_general_dilated / @ in a user's module.
+# Direct calls: jnp.einsum / jax.lax.dot_general / conv_general_dilated / @ / jnp.dot ... in a
+# user's module.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -590,7 +592,7 @@ def _warn_no_hook(provider, user_modules, flax_layers):
     provider.warn_once(("nnx-no-hook", tuple(p for p, _, _ in user_modules)),
                        f"qtrain: nnx modules {listing}{more} have parameters and match rules: "
                        "their direct jnp.einsum / jax.lax.dot_general / conv_general_dilated / "
-                       "@ calls are quantized by ops that quantize_model's sample forward "
+                       "@ / jnp.matmul / jnp.dot calls are quantized by ops that quantize_model's sample forward "
                        "creates, and none was given: such a call raises when the model runs "
                        "(pass sample inputs, quantize_model(model, provider, *sample_args))",
                        stacklevel=5)
@@ -830,22 +832,24 @@ def quantize_model(model, provider: provider_lib.QtProvider, *sample_args, rngs=
     * linen: ``jax.lax.dot_general``, ``jnp.einsum`` (two operands) and
       ``jax.lax.conv_general_dilated`` called by ``Dense``, ``DenseGeneral``,
       ``Conv``, ``Einsum``, ``MultiHeadDotProductAttention``'s projections,
-      and by a user's own module (the weight is the operand that is one of the
-      module's parameters; otherwise the op stays float with a warning).
+      and by a user's own module, which also has its matmul family (``x @ w``,
+      ``jnp.matmul``, ``jnp.dot``, ``jnp.tensordot``, ``jnp.inner``: each a
+      ``dot_general`` op) quantized (the weight is the operand that is one of
+      the module's parameters; otherwise the op stays float with a warning).
     * nnx: ``Linear``, ``LinearGeneral``, ``Conv``, ``Einsum``,
       ``MultiHeadAttention``'s projections, user modules that keep and
       call a ``dot_general`` / ``einsum_op`` / ``conv_general_dilated``
       attribute (weight second), and user modules' own calls of ``jnp.einsum``,
-      ``jax.lax.dot_general``, ``jax.lax.conv_general_dilated``, ``jnp.matmul``
-      and ``@`` (the weight is the operand that is one of the module's
+      ``jax.lax.dot_general``, ``jax.lax.conv_general_dilated`` and the matmul
+      family, as in linen (the weight is the operand that is one of the module's
       ``nnx.Param`` s; each such call's op is made by the sample forward, and a
       quantized call that the sample forward did not run raises).
     * linen, left float with a warning where a rule would quantize them (and
       listed by :func:`summary`): ``jax.lax.ragged_dot`` /
       ``ragged_dot_general`` (mixture-of-experts layers; no quantized form).
-    * Never: ``jnp.dot``; in linen also ``x @ w`` and ``jnp.matmul`` (they stay
-      float, exactly),
-      calls made inside an inner ``jax.jit`` / ``vmap`` / ``grad`` of a
+    * Never: the matmul family inside Flax's own layers (their own
+      ``lax.dot_general`` / ``jnp.einsum`` are what is quantized), ``jnp.vdot``,
+      ``x.dot(w)``, ``jax.lax.dot``, calls made inside an inner ``jax.jit`` / ``vmap`` / ``grad`` of a
       module's method (float, so the inner jit's cache stays float), attention
       score/value einsums (activation x activation, float).
 
