@@ -71,8 +71,8 @@ from qtrain.qwix import process_prequantized_params, restore_quantization_rules 
 PY
 
 cd "$SCRATCH"
-# The mesh tests ask for 4 CPU devices; importing qtrain starts JAX's backend, so the tests' own
-# setting of XLA_FLAGS comes too late: it is set here.
+# The mesh tests ask for 4 CPU devices. qwix's test files set XLA_FLAGS when imported, which
+# comes too late if anything collected before them has started JAX's backend: it is set here.
 XLA_FLAGS="--xla_force_host_platform_device_count=4${XLA_FLAGS:+ $XLA_FLAGS}" \
 PYTHONPATH="$SCRATCH:$REPO${PYTHONPATH:+:$PYTHONPATH}" python -m pytest -p no:cacheprovider \
   -o addopts="" --rootdir="$SCRATCH" tests "$@"
