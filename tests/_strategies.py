@@ -22,7 +22,13 @@ import numpy as np
 from qtrain.core import qarray, qtypes, rounding
 from qtrain.ops import config as C
 
-QTYPES: tuple[str, ...] = tuple(qtypes.VALID_QTYPES)
+# The qtypes the generic property tests draw: every qtype with a free float32 scale and a
+# numeric code (the value-set and MX qtypes have their own references and budgets, drawn by
+# NEW_QTYPES in tests/core/test_lut_mx_qtypes.py: codes are table indices, MX scales powers of
+# two in blocks of 32).
+QTYPES: tuple[str, ...] = tuple(n for n in qtypes.VALID_QTYPES
+                                if not (qtypes.get_qtype(n).is_lut or qtypes.get_qtype(n).is_mx))
+NEW_QTYPES: tuple[str, ...] = tuple(n for n in qtypes.VALID_QTYPES if n not in QTYPES)
 FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 GRAD_QTYPES: tuple[str, ...] = ("int8", "float8_e4m3fn", "float8_e5m2")
 MODES: tuple[str, ...] = ("unit", "tensor", "mixed", "huge", "tiny")

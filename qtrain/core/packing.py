@@ -11,11 +11,15 @@ THE LAYOUT (the contract every Pallas kernel in :mod:`qtrain.kernels` reads):
 * Codes: integer qtypes (``int2``, ``int4``, ``int8``, ``ternary``) store
   the low ``bits`` bits of the two's-complement value and are sign-extended on
   unpacking (``int4`` -3 is ``0b1101``; ``ternary`` -1 is ``0b11``).
-  ``binary`` stores bit 1 for +1 and bit 0 for -1.
+  ``binary`` stores bit 1 for +1 and bit 0 for -1. Value-set qtypes
+  (``nf4``, ``mxfp4``) store their code (0..15, unsigned: the index into
+  the qtype's value table; for ``mxfp4`` the e2m1 bit pattern) and unpack to
+  uint8 codes.
 * A ragged K is padded to whole words with code 0. That decodes to 0 for the
-  integer qtypes and to **-1** for ``binary``: :func:`unpack` takes the true
-  size and crops, and a kernel that runs over padded K must pad the other
-  operand with zeros so the padding contributes nothing.
+  integer qtypes and ``mxfp4``, to **-1** for ``binary`` and to the value
+  **-1.0** for ``nf4`` (its code 0): :func:`unpack` takes the true size and
+  crops, and a kernel that runs over padded K must pad the other operand with
+  zeros so the padding contributes nothing.
 
 Example:
   >>> import jax.numpy as jnp
@@ -79,6 +83,8 @@ def encode(values: jax.Array, qtype) -> jax.Array:
   qt = _packable_qtype(qtype)
   if qt.kind == "binary":
     return (values > 0).astype(jnp.uint32)
+  if qt.is_lut:
+    return values.astype(jnp.uint32) & jnp.uint32(0xF)
   mask = (1 << qt.bits) - 1
   return values.astype(jnp.int32).astype(jnp.uint32) & jnp.uint32(mask)
 
@@ -86,6 +92,8 @@ def encode(values: jax.Array, qtype) -> jax.Array:
 def decode(codes: jax.Array, qtype) -> jax.Array:
   """Inverse of :func:`encode`: unsigned codes to int8 values."""
   qt = _packable_qtype(qtype)
+  if qt.is_lut:
+    return codes.astype(jnp.uint8)
   codes = codes.astype(jnp.int32)
   if qt.kind == "binary":
     return (2 * codes - 1).astype(jnp.int8)
@@ -98,10 +106,11 @@ def pack(values: jax.Array, qtype, *, axis: int = -1) -> jax.Array:
 
   Args:
     values: integer array of quantized values in the qtype's range (for
-      binary, any value > 0 means +1 and anything else -1). Concrete arrays
-      are range-checked; under ``jit`` the range is the caller's contract.
-    qtype: a packable qtype: ``binary``, ``ternary``, ``int2``, ``int4``,
-      ``int8``.
+      binary, any value > 0 means +1 and anything else -1; for a value-set
+      qtype its codes, 0..15). Concrete arrays are range-checked; under
+      ``jit`` the range is the caller's contract.
+    qtype: a packable qtype: ``binary``, ``ternary``, ``int2``..``int8``,
+      ``nf4``, ``mxfp4``.
     axis: the axis to pack along (the contracting axis).
 
   Returns:
@@ -114,9 +123,11 @@ def pack(values: jax.Array, qtype, *, axis: int = -1) -> jax.Array:
   axis = _check_axis(axis, values.ndim, "pack")
   if not isinstance(values, jax.core.Tracer) and qt.kind != "binary" and values.size:
     lo, hi = int(jnp.min(values)), int(jnp.max(values))
-    if lo < qt.qmin or hi > qt.qmax:
-      raise ValueError(f"values in [{lo}, {hi}] do not fit {qt.name} "
-                       f"([{int(qt.qmin)}, {int(qt.qmax)}]): they would wrap when packed")
+    qmin, qmax = (0, 15) if qt.is_lut else (int(qt.qmin), int(qt.qmax))
+    if lo < qmin or hi > qmax:
+      what = "codes" if qt.is_lut else "values"
+      raise ValueError(f"{what} in [{lo}, {hi}] do not fit {qt.name} "
+                       f"([{qmin}, {qmax}]): they would wrap when packed")
   vpw = values_per_word(qt.bits)
   n = values.shape[axis]
   pad = packed_size(n, qt.bits) * vpw - n
@@ -131,7 +142,8 @@ def pack(values: jax.Array, qtype, *, axis: int = -1) -> jax.Array:
 
 
 def unpack(words: jax.Array, qtype, *, size: int, axis: int = -1) -> jax.Array:
-  """Unpacks uint32 ``words`` along ``axis`` to ``size`` int8 values.
+  """Unpacks uint32 ``words`` along ``axis`` to ``size`` int8 values (uint8 codes for a
+  value-set qtype).
 
   Raises:
     ValueError: if ``size`` does not fit the number of words.

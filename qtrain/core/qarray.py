@@ -23,6 +23,13 @@ NaN and Inf are propagated visibly, never turned into plausible numbers: any
 non-finite input makes the scale of its group NaN, so every dequantized value
 of that group (and every product computed from it) is NaN.
 
+Value-set qtypes (``nf4``, ``mxfp4``): ``qvalue`` holds codes (uint8, 0..15)
+and :func:`dequantize` reads their values from the qtype's table first
+(``values[code] * scale``); ``nf4``'s scale is the group's bound (its values
+span [-1, 1]). MX qtypes (``mxfp8``, ``mxfp4``) need blocks of 32 along one
+axis (``tiled_axes={axis: 32}``, every other axis channelwise: the OCP block is
+32 values of one row) and take the e8m0 scale of :func:`e8m0_scale`.
+
 Example:
   >>> import jax, jax.numpy as jnp
   >>> from qtrain.core import qarray
@@ -241,6 +248,12 @@ class QuantizeSpec:
     if cal.is_asymmetric and qt.kind != "int":
       raise ValueError(
           f"calibration 'minmax' (asymmetric, zero point) needs an integer qtype, got {qt.name!r}")
+    if qt.is_mx:
+      if not self.tiled_axes:
+        raise ValueError(f"qtype {qt.name!r} needs tiled_axes={{axis: {qt.block_size}}} (one e8m0 "
+                         f"scale per block of {qt.block_size} values along that axis), got none")
+      for t in self.tiled_axes.values():
+        qtypes.check_tile_size(qt, t, "tiled_axes tile size")
     object.__setattr__(self, "axis_names", shared_axis_names(self.axis_names, cal, "axis_names"))
 
   def __hash__(self):
@@ -325,6 +338,14 @@ def _normalize_axes(spec: QuantizeSpec, shape: tuple[int, ...]):
       seen[ax % nd] = ax
   cw = tuple(sorted(a % nd for a in spec.channelwise_axes))
   tiles = {a % nd: t for a, t in spec.tiled_axes.items()}
+  qt: qtypes.QType = spec.qtype  # type: ignore[assignment]
+  if qt.is_mx:
+    shared = [a for a in range(nd) if a not in cw and a not in tiles and shape[a] > 1]
+    if len(tiles) != 1 or shared:
+      raise ValueError(
+          f"qtype {qt.name!r} on shape {shape}: an MX block is {qt.block_size} values of one row, "
+          f"so one axis is tiled and every other axis of size > 1 is channelwise; got "
+          f"channelwise_axes={spec.channelwise_axes}, tiled_axes={spec.tiled_axes}")
   both = set(cw) & set(tiles)
   if both:  # e.g. channelwise_axes=(1,) with tiled_axes={-1: 32} on a 2-d array
     raise ValueError(f"axes {sorted(both)} of shape {shape} are both channelwise_axes and "
@@ -439,6 +460,56 @@ def _bound_scale(bound: jax.Array, multiplier: float, qmax: float, codes: float)
 _RECIP_SAFE = 2.0 ** 126
 
 
+def _e8m0_edge(qt: qtypes.QType) -> float:
+  """Half the largest magnitude a block may reach at its scale: the midpoint between the
+  largest element and the value the element grid would have next (e4m3: (448 + 480) / 2 = 464,
+  e2m1: (6 + 8) / 2 = 7), halved (232, 3.5)."""
+  if qt.is_lut:
+    mags = sorted({abs(v) for v in qt.values})  # type: ignore[union-attr]
+    below = mags[-2]
+  else:
+    fi = jnp.finfo(qt.compute_dtype)
+    below = float(fi.max) - 2.0 ** (int(np.floor(np.log2(float(fi.max)))) - fi.nmant)
+  top = float(qt.qmax)
+  return (top + (top - below) / 2) / 2
+
+
+E8M0_MIN_EXP = -126
+"""The smallest e8m0 exponent used: e8m0 reaches 2**-127, but that is a float32 subnormal,
+which XLA flushes to zero (CPU and GPU); scales are float32 here."""
+E8M0_MAX_EXP = 127
+
+
+def e8m0_scale(bound: jax.Array, qt: qtypes.QType) -> jax.Array:
+  """The MX scale of a block with ``bound`` (its absmax): the largest power of two ``2**k``
+  with ``bound / 2**k >= h`` (``h`` = 232 for e4m3, 3.5 for e2m1; k in [-126, 127]).
+
+  So ``bound / 2**k`` lies in [h, 2h): the block's largest value lands between the element
+  grid's top value and the midpoint above it (464 for e4m3, 7 for e2m1), where it rounds to
+  the top value with at most half an element step of error, the same as any rounding inside
+  the grid: no element of the block loses more than half an ulp (of its own binade) at the
+  block's scale. The OCP spec's example rule (``2**(floor(log2(bound)) - emax)``) lets
+  ``bound / 2**k`` reach 2**(emax+1) (512, 8) and clips values above the top (448, 6) by up
+  to a whole step; qwix's rule (its "outlier aware" constants: 12/7 for mxfp4, 60/31 for
+  mxfp8) is this one for mxfp4, and for mxfp8 puts the edge at 462.9 instead of 464 (the same
+  scale except for blocks whose ``bound / 2**k`` falls in [462.9, 464)). Computed exactly from
+  the float32 exponent and mantissa of ``bound`` (no log2 rounding at the edges).
+  """
+  h = _e8m0_edge(qt)
+  hm, he = np.frexp(h)  # h = hm * 2**he, hm in [0.5, 1)
+  m, e = jnp.frexp(jnp.minimum(bound, _F32_MAX))
+  k = e - int(he) - jnp.where(m >= float(hm), 0, 1)
+  k = jnp.clip(k, E8M0_MIN_EXP, E8M0_MAX_EXP)
+  return jax.lax.bitcast_convert_type(((k + 127) << 23).astype(jnp.int32), jnp.float32)
+
+
+def _scale_from_bound(bound: jax.Array, multiplier: float, qt: qtypes.QType, codes: float):
+  """The float32 scale (:func:`_bound_scale`) or, for MX qtypes, the e8m0 one."""
+  if qt.is_mx:
+    return e8m0_scale(bound if multiplier == 1.0 else bound * multiplier, qt)
+  return _bound_scale(bound, multiplier, qt.qmax, codes)
+
+
 def divide_by_scale(x: jax.Array, scale: jax.Array, *, scale_max: float | None = None) -> jax.Array:
   """``x / scale`` in float32 for a scale of ``x``'s rank (broadcast or tiled,
   see :func:`expand_scale`); a zero scale divides by 1 (0 / 0 would be NaN).
@@ -501,7 +572,7 @@ def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | 
   ax = jnp.abs(xs)
   codes = _symmetric_codes(qt, cal)
   if cal.method == "fixed":
-    s = jnp.full(out_shape, _bound_scale(jnp.float32(cal.bound), cal.multiplier, qt.qmax, codes),
+    s = jnp.full(out_shape, _scale_from_bound(jnp.float32(cal.bound), cal.multiplier, qt, codes),
                  jnp.float32)
     if qt.kind == "binary":  # no zero code: an all-zero group gets scale 0, so it stays zero
       s = jnp.where(gmax(ax) == 0, 0.0, s.reshape(gmax(ax).shape)).reshape(out_shape)
@@ -532,7 +603,7 @@ def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | 
     zero = m == 0
     finite = jnp.isfinite(m)
   zero_scale = 0.0 if qt.kind == "binary" else 1.0
-  scale = jnp.where(zero, zero_scale, _bound_scale(bound, cal.multiplier, qt.qmax, codes))
+  scale = jnp.where(zero, zero_scale, _scale_from_bound(bound, cal.multiplier, qt, codes))
   return jnp.where(finite, scale, jnp.nan).reshape(out_shape), None
 
 
@@ -619,8 +690,16 @@ def quantize_with_scale(
   ``|x| / scale`` exceeds the float32 range (a small fixed or learned scale,
   a huge ``x``) the value saturates to the end of the range, as any value
   beyond the bound does.
+
+  Raises:
+    ValueError: for an MX qtype (``mxfp8``, ``mxfp4``): its scales are the e8m0 powers of two
+      :func:`quantize` computes per block, not a given (static or learned) scale.
   """
   qt = qtypes.get_qtype(qtype)
+  if qt.is_mx:
+    raise ValueError(f"quantize_with_scale: qtype {qt.name!r} takes the e8m0 scale computed "
+                     "per block of 32 values by quantize(), not a given (static or learned) "
+                     "scale; use a non-MX qtype (e.g. float8_e4m3fn) for a given scale")
   top = max_scale(float(max(qt.qmax, -qt.qmin)))
   scale = jnp.asarray(scale, jnp.float32)
   scale = jnp.where(jnp.isfinite(scale), jnp.clip(scale, -top, top), jnp.nan)
@@ -639,6 +718,12 @@ def _quantize_with_scale(x, qt: qtypes.QType, scale, zero_point, *, stochastic_r
   if check_finite:
     scale = nonfinite_to_nan(scale, x)
   y = divide_by_scale(xf, scale, scale_max=scale_max)
+  if qt.is_mx:
+    # A block near the float32 limit (scale up to 2**127) could round its largest value up to
+    # an element whose product with the scale overflows: clip to the largest element-grid value
+    # v with v * scale finite ((2 - 2**-mantissa_bits) * 2**127 / scale, a grid value).
+    lim = _mx_limit(qt) / scale_full(scale, x.shape)
+    y = jnp.clip(y, -lim, lim)
   if zero_point is not None:
     y = y + expand_scale(zero_point, x.shape)
   if qt.kind == "binary" and stochastic_rounding is None:
@@ -660,7 +745,8 @@ def quantize(x: jax.Array, spec: QuantizeSpec, *, key: jax.Array | None = None) 
   qt: qtypes.QType = spec.qtype  # type: ignore[assignment]
   method = spec.calibration.method  # type: ignore[union-attr]
   # Calibrated scales are 0, 1 (all-zero groups) or in [TINY, this].
-  scale_max = max(max_scale(float(min(qt.qmax, -qt.qmin))), 1.0)
+  scale_max = (2.0 ** E8M0_MAX_EXP if qt.is_mx else
+               max(max_scale(float(min(qt.qmax, -qt.qmin))), 1.0))
   return _quantize_with_scale(
       x, qt, scale, zp, stochastic_rounding=spec.stochastic_rounding, key=key,
       check_finite=method in ("fixed", "percentile"), scale_max=scale_max)
@@ -678,10 +764,30 @@ def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
   v = q.qvalue
   if q.qtype.is_float:
     v = _lax.optimization_barrier(v)
-  v = v.astype(jnp.float32)
+  v = values_of(q)
   if q.zero_point is not None:
     v = v - expand_scale(q.zero_point, q.shape)
   return (v * expand_scale(q.scale, q.shape)).astype(dtype)
+
+
+def values_of(q: QArray, dtype=jnp.float32) -> jax.Array:
+  """The quantized values of ``q`` (before scale and zero point) in ``dtype``: the codes
+  themselves, or for a LUT qtype (nf4, mxfp4) the table's value of each code."""
+  if q.qtype.is_lut:
+    return rounding.lut_values(q.qtype, q.qvalue, dtype)
+  return q.qvalue.astype(dtype)
+
+
+def _mx_limit(qt: qtypes.QType) -> float:
+  """``(2 - 2**-m) * 2**127`` for an element format with ``m`` mantissa bits (e4m3: 3,
+  e2m1: 1): the largest float32 whose mantissa the element grid holds."""
+  m = 1 if qt.is_lut else int(jnp.finfo(qt.compute_dtype).nmant)
+  return float((2.0 - 2.0 ** -m) * 2.0 ** 127)
+
+
+def scale_full(scale: jax.Array, shape) -> jax.Array:
+  """A zero scale read as 1 (an all-zero group), expanded to ``shape``."""
+  return expand_scale(jnp.where(scale == 0, 1.0, scale), shape)
 
 
 def fake_quantize(x: jax.Array, spec: QuantizeSpec, *, key=None) -> jax.Array:

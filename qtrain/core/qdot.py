@@ -10,6 +10,13 @@ computes with real low-precision arithmetic where it can:
   (each product exact in float32), scales applied after.
 * integer-like x fp8: both codes in float32 (each product exact), float32
   accumulation at ``HIGHEST``, scales applied after.
+* value-set (LUT) qtypes (nf4, mxfp4) x anything quantized: the codes are
+  not numbers, so the LUT side's values are read from its table into float32
+  (dequantize-after-codes), and the product runs as integer x fp8 does:
+  float32 at ``HIGHEST``, scales after (exact for e2m1 values times int8 or
+  fp8 codes; nf4's float32 values make rounded float32 products).
+* MX qtypes (mxfp8, mxfp4): their 32-value blocks are group-wise scales along
+  the contraction (below); mxfp8 x mxfp8 is fp8 x fp8.
 * group-wise (tiled) scales along a contracting axis: the axis is split into
   (groups, tile), groups become a batch axis of the dot, each group's partial
   sum is scaled, then the groups are summed.
@@ -219,7 +226,7 @@ def _out_scale(s, batch, contract, free_self, n_free_other, *, self_is_lhs, grou
 def _int_terms(lhs: qa.QArray, rhs: qa.QArray):
   """(sign, lhs_int8, rhs_int8) terms of (Ql - Zl)(Qr - Zr)."""
   def codes(q):
-    out = [(1, q.qvalue)]
+    out = [(1, qa.values_of(q) if q.qtype.is_lut else q.qvalue)]
     if q.zero_point is not None:
       out.append((-1, qa.expand_scale(q.zero_point, q.shape).astype(q.qvalue.dtype) *
                   jnp.ones(q.shape, q.qvalue.dtype)))
@@ -283,8 +290,9 @@ def dot_general_quantized_xla(
   # An integer x fp8 pair has no low-precision GEMM: its codes multiply in float32, where each
   # product is exact (<= 8 + 4 significant bits), and the scales apply after, as for a pair of
   # one kind (dequantizing first could overflow where the scaled product does not).
-  mixed = lhs.qtype.is_float != rhs.qtype.is_float
-  acc_dtype = jnp.float32 if lhs.qtype.is_float or rhs.qtype.is_float else jnp.int32
+  lut = lhs.qtype.is_lut or rhs.qtype.is_lut
+  mixed = lut or lhs.qtype.is_float != rhs.qtype.is_float
+  acc_dtype = jnp.float32 if lut or lhs.qtype.is_float or rhs.qtype.is_float else jnp.int32
   ls, rs = lhs.scale, rhs.scale
   terms = _int_terms(lhs, rhs)
   grouped = plan is not None

@@ -27,8 +27,16 @@ Methods:
     ``"low_bit_hash"`` derives one key per product without a threefry
     split either (:func:`split_key`).
 
-Both work for integer qtypes (the step is 1) and for fp8 qtypes (the step is
-the fp8 spacing at ``y``, so the result is one of the two fp8 neighbours).
+Both work for integer qtypes (the step is 1), for fp8 qtypes (the step is
+the fp8 spacing at ``y``, so the result is one of the two fp8 neighbours) and
+for value-set (LUT) qtypes (``nf4``, ``mxfp4``): the result is one of the two
+neighbouring values of the set, the upper one with probability
+``(y - lo) / (hi - lo)``.
+
+Round-to-nearest onto a value set goes to the nearest value; an exact tie
+(``y`` on the midpoint of two neighbours) goes to the one with the even code:
+for e2m1 codes that is IEEE round-half-to-even (0.25 -> 0, 0.75 -> 1, 5 -> 4),
+for nf4 a fixed, documented choice. Beyond the set's ends ``y`` clips to them.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -41,10 +49,12 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from qtrain.core import qtypes
@@ -156,12 +166,80 @@ def _clip(y: jax.Array, qt: qtypes.QType) -> jax.Array:
   return jnp.clip(y, qt.qmin, qt.qmax)
 
 
+@functools.lru_cache(maxsize=None)
+def _lut_table(qt: qtypes.QType):
+  """(sorted distinct values as float32, the code of each, the float32 thresholds between
+  neighbours, whether an exact tie at each goes up) for a LUT qtype.
+
+  The midpoint ``m`` of two neighbours is computed in float64. Where ``m`` is a float32 value
+  the comparison is ``y > m`` (or ``y >= m`` where the upper neighbour's code is even); where
+  it is not, no float32 ``y`` equals it, and ``y > m`` is ``y > t`` for ``t`` the float32 below
+  ``m``: the float32 comparisons pick the nearest value exactly.
+  """
+  if not qt.is_lut:
+    raise ValueError(f"qtype {qt.name!r} has no value table")
+  table = np.asarray(qt.values, np.float64)
+  vals = np.unique(table)  # sorted; e2m1's -0 and +0 are one value
+  codes = np.array([int(np.flatnonzero(table == v)[0]) for v in vals])  # +0 before -0
+  thr, tie_up = [], []
+  for j in range(len(vals) - 1):
+    m = (vals[j] + vals[j + 1]) / 2
+    t = np.float32(m)
+    if float(t) > m:
+      t = np.nextafter(t, np.float32(-np.inf))
+    exact = float(t) == m
+    thr.append(t)
+    tie_up.append(bool(exact and codes[j + 1] % 2 == 0))
+  return vals.astype(np.float32), codes, np.array(thr, np.float32), tuple(tie_up)
+
+
+def lut_values(qt: qtypes.QType, codes: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """The values of a LUT qtype's ``codes`` (0..15) in ``dtype`` (a 16-entry table lookup)."""
+  table = jnp.asarray(np.asarray(qt.values, np.float32)).astype(dtype)
+  return jnp.take(table, codes.astype(jnp.int32), axis=0, mode="clip")
+
+
+def _lut_round_nearest(y: jax.Array, qt: qtypes.QType) -> jax.Array:
+  vals, codes, thr, tie_up = _lut_table(qt)
+  y = y.astype(jnp.float32)
+  idx = jnp.zeros(y.shape, jnp.int32)
+  for t, up in zip(thr, tie_up):
+    idx = idx + ((y >= t) if up else (y > t)).astype(jnp.int32)
+  return _sorted_to_codes(idx, codes)
+
+
+def _sorted_to_codes(idx: jax.Array, codes: np.ndarray) -> jax.Array:
+  if np.array_equal(codes, np.arange(len(codes))):
+    return idx.astype(jnp.uint8)
+  return jnp.take(jnp.asarray(codes, jnp.uint8), idx, axis=0, mode="clip")
+
+
+def _lut_stochastic_round(y: jax.Array, qt: qtypes.QType, u: jax.Array) -> jax.Array:
+  """The neighbour above ``y`` with probability ``(y - lo) / (hi - lo)``, else the one below
+  (so ``E = y`` inside the set's range); beyond the ends, the end."""
+  vals, codes, _, _ = _lut_table(qt)
+  y = y.astype(jnp.float32)
+  lo = jnp.zeros(y.shape, jnp.int32)
+  for v in vals[1:]:
+    lo = lo + (y >= v).astype(jnp.int32)
+  hi = jnp.minimum(lo + 1, len(vals) - 1)
+  table = jnp.asarray(vals)
+  v_lo, v_hi = jnp.take(table, lo, axis=0), jnp.take(table, hi, axis=0)
+  gap = v_hi - v_lo
+  p = jnp.clip((y - v_lo) / jnp.where(gap > 0, gap, 1.0), 0.0, 1.0)
+  return _sorted_to_codes(jnp.where(u < p, hi, lo), codes)
+
+
 def round_nearest(y: jax.Array, qt: qtypes.QType) -> jax.Array:
   """Rounds ``y`` (already divided by the scale) to ``qt``'s values.
 
   Binary maps ``y >= 0`` to +1 and ``y < 0`` to -1 (sign with sign(0) = +1,
-  so every value is +-1). Integers round half to even and clip.
+  so every value is +-1). Integers round half to even and clip. LUT qtypes
+  give the code of the nearest value of the set (ties: the even code; see
+  the module docstring).
   """
+  if qt.is_lut:
+    return _lut_round_nearest(y, qt)
   if qt.kind == "binary":
     return jnp.where(y >= 0, 1, -1).astype(jnp.int8)
   if qt.is_float:
@@ -201,6 +279,8 @@ def stochastic_round(y: jax.Array, qt: qtypes.QType, key: jax.Array, *, method: 
   """
   u = _noise(key, y.shape, method)
   y = y.astype(jnp.float32)
+  if qt.is_lut:
+    return _lut_stochastic_round(y, qt, u)
   if qt.kind == "binary":
     return jnp.where(u < (1.0 + jnp.clip(y, -1, 1)) * 0.5, 1, -1).astype(jnp.int8)
   if qt.is_float:

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests import _strategies as S
 from qtrain.core import estimators
 
 
@@ -141,7 +142,7 @@ def test_clipped_ste_grad_of_the_absmax_element_passes():
 
 
 @pytest.mark.parametrize("shape,cw,tiles", _LAYOUTS)
-@pytest.mark.parametrize("qtype", list(qtypes.VALID_QTYPES))
+@pytest.mark.parametrize("qtype", list(S.QTYPES))
 def test_clipped_ste_under_absmax_passes_every_element(qtype, shape, cw, tiles):
   x = _spread(shape, hash((qtype, shape)) % 2**32)
   q = _quantize(jnp.asarray(x), qarray.QuantizeSpec(

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests import _strategies as S
 from qtrain.core import qarray, qtypes
 
 FP32_SLACK = 2.0 ** -21       # a few float32 ulps, relative
@@ -30,7 +31,8 @@ SCALE_RTOL = 2e-6             # float32 reductions vs the float64 reference (<= 
 
 INT_QTYPES = ["int8", "int6", "int4", "int3", "int2", "ternary"]
 FP8_QTYPES = ["float8_e4m3fn", "float8_e5m2"]
-ALL_QTYPES = list(qtypes.VALID_QTYPES)
+# Value-set and MX qtypes (blocks of 32, codes into a table): tests/core/test_lut_mx_qtypes.py.
+ALL_QTYPES = list(S.QTYPES)
 
 # (shape, channelwise_axes, tiled_axes)
 LAYOUTS = [

@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from tests import _strategies as S
 from qtrain.core import qarray, qtypes
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -33,7 +34,8 @@ TINY = float(np.finfo(np.float32).tiny)
 FP32_SLACK = 2.0 ** -21
 TIE = 1e-4  # |frac(y) - 1/2| below this: float32's y may round either way
 
-ALL_QTYPES = list(qtypes.VALID_QTYPES)
+# Value-set and MX qtypes (blocks of 32, codes into a table): tests/core/test_lut_mx_qtypes.py.
+ALL_QTYPES = list(S.QTYPES)
 LAYOUTS = [((0,), {}), ((0,), {1: 16})]
 CALS = {
     "absmax": qarray.Calibration(method="absmax"),

@@ -19,6 +19,9 @@ EXPECTED = {
     "ternary": ("ternary", 2, -1, 1, jnp.int8, True),
     "float8_e4m3fn": ("float", 8, -448.0, 448.0, jnp.float8_e4m3fn, False),
     "float8_e5m2": ("float", 8, -57344.0, 57344.0, jnp.float8_e5m2, False),
+    "nf4": ("lut", 4, -1.0, 1.0, jnp.uint8, True),
+    "mxfp8": ("float", 8, -448.0, 448.0, jnp.float8_e4m3fn, False),
+    "mxfp4": ("lut", 4, -6.0, 6.0, jnp.uint8, True),
 }
 
 # qtypes JAX has a dtype for.
@@ -43,7 +46,7 @@ def test_name_gives_the_documented_record(name):
   assert qt.compute_dtype == jnp.dtype(dtype)
   assert qt.packable is packable
   assert qt.is_float is (kind == "float")
-  assert qt.is_integer_like is (kind != "float")
+  assert qt.is_integer_like is (kind in ("int", "binary", "ternary"))
   assert str(qt) == name
   # A QType passes through unchanged.
   assert qtypes.get_qtype(qt) is qt
@@ -73,4 +76,4 @@ def test_container_holds_every_code_in_the_same_field_width(name):
   assert box.bits == qt.bits and box.kind == qt.kind
   assert box.qmin <= qt.qmin and qt.qmax <= box.qmax
   assert (box is qt) is (name in ("int8", "int4", "int2", "binary", "ternary", "float8_e4m3fn",
-                                  "float8_e5m2"))
+                                  "float8_e5m2", "nf4", "mxfp8", "mxfp4"))
