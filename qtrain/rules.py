@@ -208,8 +208,11 @@ class QtRule:
           object.__setattr__(self, name, qtypes.get_qtype(v).name)
         except ValueError as e:
           errors.append(f"{name}: {e}")
-    if self.bwd_qtype is not None and qtypes.get_qtype(self.bwd_qtype).kind in ("binary", "ternary"):
-      errors.append(f"bwd_qtype={self.bwd_qtype!r}: gradients need int2..int8 or fp8")
+    if self.bwd_qtype is not None:
+      try:
+        qtypes.check_gradient_qtype(qtypes.get_qtype(self.bwd_qtype), "bwd_qtype")
+      except ValueError as e:
+        errors.append(str(e))
     # Calibrations.
     for name in ("weight_calibration_method", "act_calibration_method", "bwd_calibration_method"):
       try:
@@ -247,6 +250,21 @@ class QtRule:
                       f"int tile size{hint}")
       elif getattr(self, qname) is None:
         errors.append(f"{name}={v!r} is set but {qname} is None")
+    # MX qtypes: blocks of 32 values of one row (the format's own tile).
+    if not errors:
+      for weight, qname in ((True, "weight_qtype"), (False, "act_qtype")):
+        qt = None if getattr(self, qname) is None else qtypes.get_qtype(getattr(self, qname))
+        if qt is None or not qt.is_mx:
+          continue
+        channelwise, tile = self.granularity(weight=weight)
+        try:
+          qtypes.check_tile_size(qt, tile, "weight_granularity / tile_size" if weight
+                                 else "act_granularity / tile_size")
+        except ValueError as e:
+          errors.append(str(e))
+        if not channelwise:
+          errors.append(f"{qname}={qt.name!r} with a per-tensor granularity: an MX block is "
+                        f"{qt.block_size} values of one row (per_channel / per_token)")
     # Estimators.
     for name in ("weight_estimator", "act_estimator"):
       if getattr(self, name) not in estimators.ESTIMATORS:
@@ -354,10 +372,16 @@ class QtRule:
   def granularity(self, *, weight: bool) -> tuple[bool, int | None]:
     """``(channelwise, tile_size)`` of the weight's scales (``weight=True``) or the
     activation's: the operand's own granularity field where set, else the
-    shared ``disable_channelwise_axes`` and ``tile_size``."""
+    shared ``disable_channelwise_axes`` and ``tile_size`` (None: the qtype's default block,
+    64 for nf4 and 32 for mxfp8 / mxfp4, per channel for the others)."""
     g = self.weight_granularity if weight else self.act_granularity
     if g is None:
-      return not self.disable_channelwise_axes, self.tile_size
+      # A value-set or MX qtype's default block (nf4: 64, QLoRA's; MX: 32) where no tile is set.
+      qname = self.weight_qtype if weight else self.act_qtype
+      tile = self.tile_size
+      if tile is None and qname is not None:
+        tile = qtypes.get_qtype(qname).block_size
+      return not self.disable_channelwise_axes, tile
     if isinstance(g, int):
       return True, g
     return g != "per_tensor", None

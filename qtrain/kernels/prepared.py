@@ -120,7 +120,7 @@ def prepare_weight(values: jax.Array, qtype, *, scale=None, zero_point=None,
     A :class:`PreparedWeight`.
   """
   qt = qtypes.get_qtype(qtype)
-  if not qt.packable:
+  if not qt.packable or not qt.is_integer_like:
     raise ValueError(f"qtype {qt.name!r} has no kernel layout; use binary, ternary or int2..int8")
   if k is not None:
     values = packing.unpack(values, qt, size=k, axis=-1)

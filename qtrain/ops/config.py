@@ -56,7 +56,11 @@ class OperandQuant:
       activations, per output channel of weights); ``False``: one scale per
       tensor (per batch index for batch axes).
     tile_size: group-wise scales along the last contracting axis, one per
-      ``tile_size`` values (must divide that axis).
+      ``tile_size`` values (must divide that axis). MX qtypes (``mxfp8``,
+      ``mxfp4``): None means their block of 32, and any other value raises
+      (the block is the format's); they also need ``channelwise`` (an MX block
+      is 32 values of one row). ``nf4`` here: None is per channel (the rules'
+      default for nf4 is 64, :meth:`qtrain.QtRule.granularity`).
     estimator: gradient estimator, see :mod:`qtrain.core.estimators`.
     scale_grad: gradient rule for a scale passed into the op (a learned
       scale): ``"lsq"`` or ``"bitorch"`` (binary only).
@@ -80,6 +84,12 @@ class OperandQuant:
     qt: qtypes.QType = self.qtype  # type: ignore[assignment]
     if self.tile_size is not None and (not isinstance(self.tile_size, int) or self.tile_size <= 0):
       raise ValueError(f"tile_size={self.tile_size!r} must be a positive int or None")
+    qtypes.check_tile_size(qt, self.tile_size)
+    if qt.is_mx:
+      object.__setattr__(self, "tile_size", qt.block_size)
+      if not self.channelwise:
+        raise ValueError(f"channelwise=False with qtype {qt.name!r}: an MX block is "
+                         f"{qt.block_size} values of one row (channelwise=True)")
     if self.estimator not in estimators.ESTIMATORS:
       raise ValueError(f"estimator={self.estimator!r}; valid: {list(estimators.ESTIMATORS)}")
     if self.scale_grad not in estimators.SCALE_GRADS:
@@ -119,8 +129,7 @@ class GradQuant:
     if self.calibration.is_asymmetric:  # type: ignore[union-attr]
       raise ValueError("GradQuant.calibration='minmax' is not supported: gradients are "
                        "quantized symmetrically (use absmax, rms, percentile or fixed)")
-    if self.qtype.kind in ("binary", "ternary"):  # type: ignore[union-attr]
-      raise ValueError(f"GradQuant.qtype={self.qtype.name!r}: gradients need int2..int8 or fp8")
+    qtypes.check_gradient_qtype(self.qtype, "GradQuant.qtype")  # type: ignore[arg-type]
     rounding.check_stochastic_method(self.stochastic_rounding)
     object.__setattr__(self, "axis_names", qarray.shared_axis_names(
         self.axis_names, self.calibration, "GradQuant.axis_names"))
@@ -172,5 +181,9 @@ class ConvGeneralQtConfig(DotGeneralQtConfig):
     super().__post_init__()
     for name in ("lhs", "rhs"):
       v = getattr(self, name)
+      if v is not None and v.qtype.is_mx:
+        raise ValueError(f"{name}.qtype={v.qtype.name!r}: an MX qtype needs blocks of "
+                         f"{v.qtype.block_size} along a contracting axis, and convolutions take "
+                         "no tile_size; use it on dot_general / einsum ops")
       if v is not None and v.tile_size is not None:
         raise ValueError(f"{name}.tile_size={v.tile_size}: convolutions take no tile_size")

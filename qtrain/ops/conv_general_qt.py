@@ -162,7 +162,9 @@ def _xla_conv(lq, rq, p, out_dtype, compute_dtype=None):
   # a passed-in scale may vary elsewhere (e.g. per input channel): then the
   # dequantized operands are convolved in float32 below.
   varies_only = lambda s, axis: all(n == 1 for a, n in enumerate(s.shape) if a != axis)
-  if (both and lq.qtype.is_float == rq.qtype.is_float and lq.zero_point is None
+  # A value-set (LUT) qtype's codes are not numbers: it is convolved dequantized (below).
+  if (both and lq.qtype.is_float == rq.qtype.is_float and not lq.qtype.is_lut
+      and not rq.qtype.is_lut and lq.zero_point is None
       and rq.zero_point is None and varies_only(lq.scale, lhs_spec[0])
       and varies_only(rq.scale, rhs_spec[0])):
     acc = _low_precision_conv(lq.qvalue, rq.qvalue, p, is_float=lq.qtype.is_float)

@@ -138,7 +138,7 @@ def finish_operand_grad(x_bar, res: OperandResidual, oq, dtype):
     q: qa.QArray = res.value
     full = qa.expand_scale(q.scale, q.shape)
     if oq.scale_grad == "lsq":
-      sb = estimators.lsq_scale_grad(x_bar, res.x, q.qvalue, q.scale, full,
+      sb = estimators.lsq_scale_grad(x_bar, res.x, qa.values_of(q), q.scale, full,
                                      qmin=q.qtype.qmin, qmax=q.qtype.qmax)
     else:
       masked = x_bar if res.mask is None else jnp.where(res.mask, x_bar, 0)

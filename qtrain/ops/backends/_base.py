@@ -72,6 +72,16 @@ def is_qarray(x) -> bool:
   return isinstance(x, qarray.QArray)
 
 
+def decline_emulated(call: DotCall) -> None:
+  """Raises :class:`Unsupported` for an operand of a qtype no GPU kernel computes: the
+  value-set qtypes (nf4, mxfp4: codes into a table) and the MX qtypes (e8m0 block scales).
+  The registry then runs them on XLA, dequantize-after-codes (:mod:`qtrain.core.qdot`)."""
+  for what, x in (("lhs", call.lhs), ("rhs", call.rhs)):
+    if is_qarray(x) and (x.qtype.is_lut or x.qtype.is_mx):
+      raise Unsupported(f"{what} qtype {x.qtype.name} has no GPU kernel (emulated on XLA: "
+                        "its values read from codes, the product in float, scales after)")
+
+
 def canonical_operand(x, contract, free):
   """Transposes ``x`` to (free..., contract...) and flattens to 2-D."""
   perm = tuple(free) + tuple(contract)

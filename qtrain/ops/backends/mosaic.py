@@ -164,6 +164,7 @@ def _matmul_lhs(lhs, contract, free):
 
 def plan_matmul(call: DotCall) -> MatmulPlan:
   """The small-M kernel's plan, or Unsupported(reason)."""
+  _base.decline_emulated(call)
   lhs, rhs, dn = call.lhs, call.rhs, call.dimension_numbers
   if isinstance(rhs, _mosaic.MosaicWeight):
     _base.check_last_axis_dims(lhs, dn, "MosaicWeight")
@@ -199,6 +200,7 @@ def plan_gemm(call: DotCall, min_m: int = 1) -> GemmPlan:
   """Both operands symmetric integer QArrays of <= 8 bits with per-row / per-column
   scales, no batch axes, a float output, at least ``min_m`` rows: the Mosaic GEMM's
   plan; else Unsupported (raised before any operand is transposed)."""
+  _base.decline_emulated(call)
   lhs, rhs, out_dtype = call.lhs, call.rhs, call.out_dtype
   for what, q in (("lhs", lhs), ("rhs", rhs)):
     if not _base.is_qarray(q):

@@ -79,6 +79,7 @@ class TritonBackend:
     return "interpret" if self.interpret else "triton"
 
   def plan(self, call: DotCall) -> TritonPlan:
+    _base.decline_emulated(call)
     lhs, rhs, dn = call.lhs, call.rhs, call.dimension_numbers
     if isinstance(rhs, PreparedWeight):
       return _plan_prepared(lhs, rhs, dn, call.out_dtype)
