@@ -156,6 +156,18 @@ def checked_config(a: jax.Array, b: jax.Array, config: GemmConfig | None = None,
   return cfg
 
 
+def check_call(a: jax.Array, b: jax.Array, config: GemmConfig | None = None,
+               out_dtype=jnp.bfloat16) -> GemmConfig:
+  """:func:`checked_config`, and a ValueError off a GPU or on jax < 0.11: every check
+  :func:`mosaic_gemm` makes before it runs (the backend's forced path makes them too)."""
+  cfg = checked_config(a, b, config, out_dtype)
+  if not _common.on_gpu():
+    raise ValueError(f"the Mosaic GEMM runs on a GPU; this backend is {jax.default_backend()!r}")
+  if jax.__version_info__ < (0, 11):
+    raise ValueError(f"the Mosaic GEMM needs jax >= 0.11 (Pallas Mosaic GPU); this is jax {jax.__version__}")
+  return cfg
+
+
 def _as_vector(s, size: int, what: str) -> jax.Array:
   if s is None:
     return jnp.ones((size,), jnp.float32)
@@ -181,12 +193,7 @@ def mosaic_gemm(a: jax.Array, b: jax.Array, *, a_scale=None, b_scale=None,
     (M, N) ``out_dtype``: the exact int32 product, converted and scaled in
     float32 as :func:`mosaic_gemm_reference`.
   """
-  cfg = checked_config(a, b, config, out_dtype)
-  if not _common.on_gpu():
-    raise ValueError(f"the Mosaic GEMM runs on a GPU; this backend is {jax.default_backend()!r}")
-  if jax.__version_info__ < (0, 11):
-    raise ValueError(f"the Mosaic GEMM needs jax >= 0.11 (Pallas Mosaic GPU); this is jax {jax.__version__}")
-  return _gemm(a, b, a_scale, b_scale, out_dtype, cfg)
+  return _gemm(a, b, a_scale, b_scale, out_dtype, check_call(a, b, config, out_dtype))
 
 
 def mosaic_gemm_reference(a: jax.Array, b: jax.Array, *, a_scale=None, b_scale=None,

@@ -85,14 +85,8 @@ class MosaicBackend:
 
   def run(self, plan: GemmPlan | MatmulPlan) -> jax.Array:
     if isinstance(plan, GemmPlan):
-      if plan.config is None:  # forced: shapes the kernel cannot tile raise here, by name
-        _gemm.checked_config(plan.a, plan.b, None, plan.out_dtype)
-        if not _common.on_gpu():
-          raise ValueError(f"the Mosaic GEMM runs on a GPU; this backend is "
-                           f"{jax.default_backend()!r}")
-        if jax.__version_info__ < (0, 11):
-          raise ValueError(f"the Mosaic GEMM needs jax >= 0.11 (Pallas Mosaic GPU); this is "
-                           f"jax {jax.__version__}")
+      if plan.config is None:  # forced: what the kernel cannot run raises here, by name
+        _gemm.check_call(plan.a, plan.b, None, plan.out_dtype)
       out = _sharded.gemm(_gemm_on_shard, plan.a, plan.b, plan.a_scale, plan.b_scale,
                           out_dtype=plan.out_dtype)
       return out.reshape(plan.out_shape)
