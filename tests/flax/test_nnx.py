@@ -12,6 +12,7 @@ from flax import nnx
 
 import qtrain
 from qtrain import ops
+from _testutil import check_static_calibration
 from _testutil import rel_error as _rel
 
 DN = (((1,), (0,)), ((), ()))
@@ -232,18 +233,7 @@ class TestState:
     with pytest.raises(ValueError, match="sample inputs"):
       qtrain.quantize_model(nnx.Linear(32, 8, rngs=nnx.Rngs(0)), rules)
     m = qtrain.quantize_model(nnx.Linear(32, 8, rngs=nnx.Rngs(0)), rules, X)
-    op = m.dot_general
-    assert isinstance(op.act_static_scale, qtrain.QuantStat)
-    assert float(op.act_static_count[...]) == 0.0  # the init forward does not calibrate
-    fwd = nnx.jit(lambda m, x: m(x))
-    batches = [X * s for s in (1.0, 2.0, 3.0)]
-    for b in batches:
-      fwd(m, b)
-    want = np.mean([float(jnp.max(jnp.abs(b))) / 127 for b in batches])
-    np.testing.assert_allclose(op.act_static_scale[...], want, rtol=1e-6)
-    qtrain.set_calibrate(m, False)
-    y = fwd(m, X * 10)
-    assert float(op.act_static_count[...]) == 3.0
+    y, want = check_static_calibration(m, m.dot_general, X)
     ref = ops.dot_general_qt(X * 10, m.kernel[...], DN, _cfg(), lhs_scale=jnp.asarray(want))
     np.testing.assert_allclose(y, ref + m.bias[...], rtol=1e-5, atol=1e-5)
 

@@ -13,6 +13,7 @@ from flax import nnx
 import qtrain
 from qtrain import freeze, lora, ops
 from qtrain import qwix
+from _testutil import check_static_calibration
 from _testutil import rel_error as _rel
 
 DN = (((1,), (0,)), ((), ()))
@@ -270,19 +271,7 @@ class TestTraining:
     d, _ = _pair()
     qtrain.quantize_model(d, _provider(weight_qtype="int8", act_qtype="int8",
                                        act_static_scale=True), X)
-    op = d.einsum0
-    assert isinstance(op.act_static_scale, qtrain.QuantStat)
-    assert float(op.act_static_count[...]) == 0.0   # the sample forward does not calibrate
-    fwd = nnx.jit(lambda m, x: m(x))
-    batches = [X * s for s in (1.0, 2.0, 3.0)]
-    for b in batches:
-      fwd(d, b)
-    want = np.mean([float(jnp.max(jnp.abs(b))) / 127 for b in batches])
-    np.testing.assert_allclose(op.act_static_scale[...], want, rtol=1e-6)
-    qtrain.set_calibrate(d, False)
-    y = fwd(d, X * 10)
-    assert float(op.act_static_count[...]) == 3.0
-    np.testing.assert_allclose(op.act_static_scale[...], want, rtol=1e-6)
+    y, want = check_static_calibration(d, d.einsum0, X)
     cfg = ops.DotGeneralQtConfig(lhs=ops.OperandQuant(qtype="int8"),
                                  rhs=ops.OperandQuant(qtype="int8"))
     h = ops.dot_general_qt(X * 10, d.w1[...], DN, cfg, lhs_scale=jnp.asarray(want))
