@@ -28,7 +28,11 @@ COLLECTIVES = r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-sc
 # one device by the partitioner and cannot stand in here.)
 
 
+TRACED_SHAPES = []  # the lhs shape of each trace of the kernel function
+
+
 def kernel(a, b, sa, sb, *, out_dtype):
+  TRACED_SHAPES.append(tuple(a.shape))
   acc = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
   return (acc.astype(jnp.float32) * sa[:, None] * sb[None, :]).astype(out_dtype)
 
@@ -80,4 +84,21 @@ out["shard_map_equal"] = bool(np.array_equal(np.asarray(g(a, sa)), one_device))
 out["single_device_equal"] = bool(np.array_equal(
     np.asarray(jax.jit(lambda *v: sharded.gemm(kernel, *v, out_dtype=jnp.float32))(a, b, sa, sb)),
     one_device))
+# Several call sites of one per-shard signature: the partitioner asks for each site's per-shard
+# computation, and the kernel function is lowered for the shard shape once, not once per site.
+sites = 5
+
+
+def site_kernel(a, b, sa, sb, *, out_dtype):  # a signature no case above has lowered
+  return kernel(a, b, sa, sb, out_dtype=out_dtype)
+
+
+TRACED_SHAPES.clear()
+shard = NamedSharding(mesh, P("data", None))
+f = jax.jit(lambda a, sa: sum(sharded.gemm(site_kernel, a, b, sa * (i + 1), sb, out_dtype=jnp.float32)
+                              for i in range(sites)), in_shardings=(shard, NamedSharding(mesh, P("data"))))
+got = f(a, sa)
+out["sites"] = dict(sites=sites, shard_traces=TRACED_SHAPES.count((a.shape[0] // 2, a.shape[1])),
+                    equal=bool(np.allclose(np.asarray(got), sum((i + 1) * one_device
+                                                                 for i in range(sites)), rtol=1e-6)))
 print(json.dumps(out))
