@@ -1,8 +1,9 @@
 """The lax functions qtrain itself calls, bound once when qtrain is imported.
 
-The provider swaps ``jax.lax.dot_general`` / ``jax.lax.conv_general_dilated``
-for dispatchers while a quantized linen model runs. qtrain's own products must
-never go through those dispatchers, so every internal call uses these
+The provider swaps ``jax.lax.dot_general``, ``jax.lax.conv_general_dilated``,
+``jax.lax.ragged_dot_general`` (and the other intercepted names) for dispatchers
+while a quantized model runs. qtrain's own products must never go through
+those dispatchers, so every internal call uses these
 references, taken before any swap can happen.
 """
 
@@ -11,6 +12,7 @@ import jax
 dot_general = jax.lax.dot_general
 conv_general_dilated = jax.lax.conv_general_dilated
 optimization_barrier = jax.lax.optimization_barrier
+ragged_dot_general = jax.lax.ragged_dot_general
 
 
 def varying_axes(x) -> frozenset:
