@@ -270,6 +270,10 @@ def _from_record(rec, provider, module_params: Mapping, state: Mapping, where: s
   if rec.contraction is None:
     raise ValueError(f"freeze: the record of {where!r} says nothing of its contraction (recorded "
                      "by an older qtrain?): run the quantized model once again")
+  if rec.op_name == "ragged_dot":
+    raise ValueError(f"freeze: {where!r} is a quantized ragged_dot (a mixture-of-experts "
+                     "product), which freeze does not export yet: keep it float with a first "
+                     f"rule QtRule(module_path={rec.path!r}, op_names=('ragged_dot',))")
   rule = provider.rules[rec.rule_index]
   conv = rec.op_name == "conv_general_dilated"
   if conv:

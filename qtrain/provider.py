@@ -47,6 +47,7 @@ from qtrain.ops import config as cfg_lib
 from qtrain.ops import conv_general_qt as _conv_general_qt
 from qtrain.ops import dot_general_qt as _dot_general_qt
 from qtrain.ops import lora as lora_lib
+from qtrain.ops import ragged_dot_qt as _ragged_dot_qt
 
 DROPOUT_STREAM = "dropout"
 """The Flax RNG stream LoRA dropout keys are drawn from (flax's own dropout stream)."""
@@ -567,6 +568,58 @@ class QtProvider:
           act, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
           feature_group_count, batch_group_count, precision, preferred_element_type, config=cfg,
           key=key, lhs_scale=act_scale)
+      return out if missing is None else _grad_guard(out, missing)
+
+  def ragged_dot(self, host: Host, path: str, op_id: str, lhs, rhs, group_sizes, *,
+                 weight_operand: int | None, float_call: Callable, precision=None,
+                 preferred_element_type=None, group_offset=None, out_sharding=None,
+                 rhs_layout: tuple[int, int] | None = (0, 1)):
+    """A grouped product (``jax.lax.ragged_dot``, or a ``ragged_dot_general`` of the same
+    meaning) called by module ``path``: ``lhs`` (M, K) the tokens, ``rhs`` the experts'
+    weights (the weight operand must be ``rhs``). ``rhs_layout``: rhs's (group axis,
+    contracting axis), ``(0, 1)`` for ragged_dot; None: a form of ``ragged_dot_general``
+    qtrain does not take (recorded, float, a warning where a rule matches). ``float_call()``
+    runs the original call."""
+    m = self.match(path, "ragged_dot")
+    shapes = (jnp.shape(lhs), jnp.shape(rhs))
+    if m is None or not m[1].active:
+      self._rec(path, op_id, "ragged_dot", m, FLOAT_NO_RULE if m is None else FLOAT_RULE,
+                weight_operand, shapes)
+      return float_call()
+    if m[1].has_lora:
+      raise OpError(f"qtrain: rules[{m[0]}] (module_path={m[1].module_path!r}) sets lora_rank="
+                    f"{m[1].lora_rank} and matches ragged_dot in module {path!r}: LoRA adapters "
+                    "go on dot_general and einsum ops; restrict the rule with "
+                    "op_names=('dot_general', 'einsum')")
+    if rhs_layout is None:
+      self.note_skipped(path, op_id, "ragged_dot", FLOAT_UNSUPPORTED, shapes=shapes)
+      return float_call()
+    if weight_operand != 1:
+      self._no_weight(path, op_id, "ragged_dot", m, weight_operand, shapes)
+      return float_call()
+    with self._naming(m, "ragged_dot", path):
+      rule = m[1]
+      if out_sharding is not None:
+        raise _out_sharding_error("ragged_dot", path, out_sharding)
+      w = rhs
+      if tuple(rhs_layout) != (0, 1) and jnp.ndim(rhs) == 3:  # to (G, K, N)
+        gax, cax = rhs_layout
+        w = jnp.transpose(rhs, (gax, cax, 3 - gax - cax))
+      act, act_scale = lhs, None
+      if rule.act_qtype is not None and jnp.ndim(lhs) == 2:
+        act, act_scale = self._act_state(host, rule, lhs, (1,))
+      cfg = cfg_lib.DotGeneralQtConfig(
+          lhs=self._operand(rule, weight=False, given_scale=act_scale is not None, conv=False),
+          rhs=self._operand(rule, weight=True, given_scale=False, conv=False),
+          dlhs_grad=self._grad(rule), drhs_grad=self._grad(rule, weight=True),
+          implementation=rule.implementation)
+      self._rec(path, op_id, "ragged_dot", m, QUANTIZED, 1, shapes,
+                ("ragged_dot", tuple(rhs_layout), *_shapes_dtypes((act, rhs))))
+      key, missing = self._key(host, rule, path)
+      out = _ragged_dot_qt(
+          act, w, group_sizes, cfg, precision=precision,
+          preferred_element_type=preferred_element_type, group_offset=group_offset, key=key,
+          lhs_scale=act_scale)
       return out if missing is None else _grad_guard(out, missing)
 
   # -------------------------------------------------------------- summary

@@ -41,7 +41,7 @@ from qtrain.core import qtypes
 from qtrain.core import rounding
 from qtrain.ops import config as cfg_lib
 
-OP_NAMES: tuple[str, ...] = ("dot_general", "einsum", "conv_general_dilated")
+OP_NAMES: tuple[str, ...] = ("dot_general", "einsum", "conv_general_dilated", "ragged_dot")
 # Per-operand scale granularities (an int N: per channel / per token, in tiles of N along the
 # contraction). A weight's non-contracting axes are its output channels, an activation's its
 # tokens (rows): the same scale layout, named for what it is on each side.
@@ -58,7 +58,9 @@ class QtRule:
     module_path: regex, ``re.fullmatch``-ed against the ``'/'``-joined path
       of the calling Flax module (``""`` is the root module).
     op_names: the ops this rule applies to, a subset of ``("dot_general",
-      "einsum", "conv_general_dilated")`` (default: all three).
+      "einsum", "conv_general_dilated", "ragged_dot")`` (default: all of them;
+      ``ragged_dot`` is ``jax.lax.ragged_dot`` and ``ragged_dot_general`` of its
+      form, mixture-of-experts layers).
 
   Forward:
     weight_qtype: qtype of the weight operand (the layer's parameter), or

@@ -225,11 +225,10 @@ class _Moe(nn.Module):
     return jax.lax.ragged_dot(x, w, group_sizes)
 
 
-def test_ragged_dot_stays_float_but_never_silently():
-  """qtrain has no quantized ragged_dot: under a rule that would quantize it the op runs in
-  float (the same numbers as the float model), is recorded for the summary, and warns, naming
-  the module and the rule; a rule restricted to other ops leaves it float without that
-  warning."""
+def test_ragged_dot_is_quantized_and_a_rule_restricted_to_other_ops_leaves_it_float():
+  """A rule that quantizes ragged_dot (issue 20): the op is quantized (recorded, listed by the
+  summary, close to the float model); a rule restricted to other ops leaves it float without
+  that warning."""
   x = jax.random.normal(jax.random.key(0), (7, 4))
   sizes = jnp.array([2, 0, 5], jnp.int32)
   params = _Moe().init(jax.random.key(1), x, sizes)
@@ -239,12 +238,10 @@ def test_ragged_dot_stays_float_but_never_silently():
   with warnings.catch_warnings(record=True) as rec:
     warnings.simplefilter("always")
     got = qmodel.apply(params, x, sizes)
-  assert bool(jnp.all(got == want))
-  msgs = _qwarnings(rec)
-  assert any("ragged_dot in module ''" in m and "rules[0]" in m and "no quantized form" in m
-             for m in msgs), msgs
+  assert 0 < float(jnp.abs(got - want).max()) < 0.05 * float(jnp.abs(want).max())
+  assert not [m for m in _qwarnings(rec) if "ragged_dot" in m], _qwarnings(rec)
   (r,) = [r for r in provider.records() if r.op_name == "ragged_dot"]
-  assert r.status == "float: qtrain has no quantized form of this op" and r.rule_index == 0
+  assert r.status == "quantized" and r.rule_index == 0 and r.weight_operand == "rhs"
   assert "ragged_dot" in qtrain.summary(provider)
   quiet = qtrain.QtProvider([qtrain.QtRule(module_path=".*", weight_qtype="int8",
                                            op_names=("dot_general", "einsum"))])

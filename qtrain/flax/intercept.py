@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import threading
 from typing import Any, Callable
 
@@ -65,7 +66,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from qtrain import provider as provider_lib
+from qtrain.core import qdot
 from qtrain.flax import hosts
+from qtrain.ops.ragged_dot_qt import ragged_dimension_numbers
 
 try:  # public since jax 0.4.36; used by flax.nnx too.
   from jax.extend.core import get_opaque_trace_state as _get_trace_state
@@ -148,27 +151,33 @@ def sentinel():
 _install_lock = threading.Lock()
 _install_count = 0
 _originals: dict[str, Any] = {}
-# The public functions replaced by dispatchers: (module, name).
-_TARGETS = ((jax.lax, "dot_general"), (jax.lax, "conv_general_dilated"), (jnp, "einsum"),
-            (jax.lax, "ragged_dot"), (jax.lax, "ragged_dot_general"), (jnp, "matmul"),
-            (jnp, "dot"), (jnp, "tensordot"), (jnp, "inner"))
-_JNP_NAMES = frozenset(name for mod, name in _TARGETS if mod is jnp)
+# The public functions replaced by dispatchers: (module, name, key). The key names the
+# function in _originals and _DISPATCHERS (jax.lax.dot is "lax.dot": jnp.dot is "dot").
+_TARGETS = ((jax.lax, "dot_general", "dot_general"),
+            (jax.lax, "conv_general_dilated", "conv_general_dilated"), (jnp, "einsum", "einsum"),
+            (jax.lax, "ragged_dot", "ragged_dot"),
+            (jax.lax, "ragged_dot_general", "ragged_dot_general"), (jnp, "matmul", "matmul"),
+            (jnp, "dot", "dot"), (jnp, "tensordot", "tensordot"), (jnp, "inner", "inner"),
+            (jnp, "vdot", "vdot"), (jax.lax, "dot", "lax.dot"))
+_TARGET_OF = {key: (mod, name) for mod, name, key in _TARGETS}
 
 
 def original(name: str):
-  """The original public function (also while dispatchers are installed)."""
+  """The original public function (also while dispatchers are installed); ``name`` is a
+  key of :data:`_TARGETS` (``"lax.dot"`` for ``jax.lax.dot``)."""
   if name in _originals:
     return _originals[name]
-  return getattr(jnp if name in _JNP_NAMES else jax.lax, name)
+  mod, attr = _TARGET_OF.get(name, (jax.lax, name))
+  return getattr(mod, attr)
 
 
 def _install():
   global _install_count
   with _install_lock:
     if _install_count == 0:
-      for mod, name in _TARGETS:
-        _originals[name] = getattr(mod, name)
-        setattr(mod, name, _DISPATCHERS[name])
+      for mod, name, key in _TARGETS:
+        _originals[key] = getattr(mod, name)
+        setattr(mod, name, _DISPATCHERS[key])
       _install_operators()
     _install_count += 1
 
@@ -178,8 +187,8 @@ def _uninstall():
   with _install_lock:
     _install_count -= 1
     if _install_count == 0:
-      for mod, name in _TARGETS:
-        setattr(mod, name, _originals.pop(name))
+      for mod, name, key in _TARGETS:
+        setattr(mod, name, _originals.pop(key))
       _uninstall_operators()
 
 
@@ -271,19 +280,56 @@ def _dispatch_conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dil
         out_sharding=kwargs.pop("out_sharding", None))
 
 
-def _ragged(name: str):
-  """A dispatcher for ``jax.lax.<name>`` (the grouped products of mixture-of-experts layers):
-  qtrain has no quantized form of it, so the call runs in float, and the op is recorded (the
-  summary lists it) with a warning where a quantizing rule matches it: never float silently."""
+def _bind(fn, args, kwargs) -> dict | None:
+  """``fn``'s arguments by name, defaults filled in; None where the call does not bind (left
+  to ``fn`` itself, which raises JAX's own error)."""
+  try:
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+  except (TypeError, ValueError):
+    return None
+  bound.apply_defaults()
+  out = dict(bound.arguments)
+  out.update(out.pop("kwargs", None) or {})
+  return out
 
-  def dispatch(lhs, rhs, group_sizes, *args, **kwargs):
+
+# The arguments of ragged_dot(_general) a quantized product takes (the others must be unset).
+_RAGGED_ARGS = frozenset({"lhs", "rhs", "group_sizes", "ragged_dot_dimension_numbers",
+                          "precision", "preferred_element_type", "group_offset", "out_sharding"})
+
+
+def _ragged(name: str):
+  """A dispatcher for ``jax.lax.<name>`` (``ragged_dot`` / ``ragged_dot_general``: the grouped
+  products of mixture-of-experts layers): in a module's frame, a ``ragged_dot`` op of the module
+  (its weight the operand that is one of the module's parameters, which must be rhs);
+  ``ragged_dot_general`` where it means what ragged_dot does (rows of lhs ragged, one group
+  axis of rhs), other forms float (recorded, a warning where a rule matches)."""
+
+  def dispatch(*args, **kwargs):
     orig = original(name)
-    f, op_id = _active(name)
-    if f is not None:
-      with sentinel():
-        f.provider.note_skipped(f.path, op_id, name, provider_lib.FLOAT_NO_QUANTIZED_FORM,
-                                shapes=(lhs.shape, rhs.shape))
-    return orig(lhs, rhs, group_sizes, *args, **kwargs)
+    f, op_id = _active("ragged_dot")
+    if f is None:
+      return orig(*args, **kwargs)
+    with sentinel():
+      a = _bind(orig, args, kwargs)
+      if a is None:
+        return orig(*args, **kwargs)
+      lhs, rhs = _as_array(a["lhs"]), _as_array(a["rhs"])
+      shapes = (jnp.shape(lhs), jnp.shape(rhs))
+      layout = (0, 1)
+      if name == "ragged_dot_general":
+        layout = ragged_dimension_numbers(a["ragged_dot_dimension_numbers"],
+                                                        len(shapes[0]), len(shapes[1]))
+      if any(v is not None for k, v in a.items() if k not in _RAGGED_ARGS) or not all(
+          isinstance(o, jax.Array) for o in (lhs, rhs)):
+        layout = None
+      host, w = _site(f, "ragged_dot", op_id, (lhs, rhs), by_identity=True)
+      return f.provider.ragged_dot(
+          host, f.path, op_id, lhs, rhs, a["group_sizes"], weight_operand=w,
+          float_call=lambda: orig(*args, **kwargs), precision=a.get("precision"),
+          preferred_element_type=a.get("preferred_element_type"),
+          group_offset=a.get("group_offset"), out_sharding=a.get("out_sharding"),
+          rhs_layout=layout)
 
   dispatch.__name__ = dispatch.__qualname__ = f"_dispatch_{name}"
   return dispatch
@@ -417,6 +463,64 @@ def _dispatch_tensordot(a, b, axes=2, **kwargs):
       lambda: orig(a, b, axes, **kwargs))
 
 
+def vdot_dimension_numbers(lhs_shape, rhs_shape) -> tuple | None:
+  """``jnp.vdot(lhs, rhs)`` of two vectors: ``jnp.dot``'s (the one axis contracted). None for
+  other ranks: vdot flattens both operands, so a weight's layout (its output channels) is
+  lost; those stay float."""
+  if len(lhs_shape) != 1 or len(rhs_shape) != 1:
+    return None
+  return (((0,), (0,)), ((), ()))
+
+
+def lax_dot_dimension_numbers(lhs_shape, rhs_shape) -> tuple:
+  """``jax.lax.dot(lhs, rhs)`` without dimension numbers: a vector or matrix times a vector or
+  matrix, lhs's last axis against rhs's first. Raises ValueError for the forms lax.dot rejects
+  (the call is then left to it, which raises its own error)."""
+  nl, nr = len(lhs_shape), len(rhs_shape)
+  if not (1 <= nl <= 2 and 1 <= nr <= 2):
+    raise ValueError("lax.dot needs dimension_numbers")
+  return (((nl - 1,), (0,)), ((), ()))
+
+
+def _dispatch_vdot(a, b, **kwargs):
+  orig = original("vdot")
+  float_call = lambda: orig(a, b, **kwargs)
+  if any(jnp.iscomplexobj(_as_array(o)) for o in (a, b)):  # vdot conjugates: no real product
+    dims = lambda ls, rs: None
+  else:
+    dims = vdot_dimension_numbers
+  return _dispatch_product(a, b, dims, kwargs, float_call)
+
+
+def _dispatch_lax_dot(lhs, rhs, *args, **kwargs):
+  orig = original("lax.dot")
+  float_call = lambda: orig(lhs, rhs, *args, **kwargs)
+  a = _bind(orig, (lhs, rhs) + args, kwargs)
+  if a is None:
+    return float_call()
+  given = a.pop("dimension_numbers", None)
+  extra = {k: v for k, v in a.items() if k not in ("lhs", "rhs") and v is not None}
+
+  def dims(ls, rs):
+    if given is None:
+      return lax_dot_dimension_numbers(ls, rs)
+    return qdot.normalize_dimension_numbers(given, len(ls), len(rs), lhs_shape=ls, rhs_shape=rs)
+
+  return _dispatch_product(lhs, rhs, dims, extra, float_call)
+
+
+def _method_dot(name: str):
+  """A dispatcher for the array method ``x.dot(w, **kwargs)`` (``name``: where it is bound)."""
+
+  def dispatch(self, other, **kwargs):
+    orig = _operator_originals[name]
+    return _dispatch_product(self, other, dot_dimension_numbers, kwargs,
+                             lambda: orig(self, other, **kwargs))
+
+  dispatch.__name__ = dispatch.__qualname__ = f"_dispatch_{name.replace('.', '_')}"
+  return dispatch
+
+
 def _operator(name: str, swap: bool):
   """A dispatcher for the array method ``name`` (``__matmul__``, or ``__rmatmul__`` when
   ``swap``: the array is the right operand)."""
@@ -439,6 +543,10 @@ _OPERATORS = (("ArrayImpl", "__matmul__", False, False), ("ArrayImpl", "__rmatmu
               ("ShapedArray", "_matmul", False, True), ("ShapedArray", "_rmatmul", True, True))
 _OPERATOR_DISPATCHERS = {f"{o}.{attr}": _operator(f"{o}.{attr}", swap)
                          for o, attr, swap, _ in _OPERATORS}
+# ``x.dot(w)``: ArrayImpl's method, and for tracers their aval's ``dot``, an ``aval_method``
+# (a one-field named tuple ``(fun,)`` that Tracer.__getattr__ binds to the tracer).
+_DOT_METHODS = ("ArrayImpl", "ShapedArray")
+_OPERATOR_DISPATCHERS.update({f"{o}.dot": _method_dot(f"{o}.dot") for o in _DOT_METHODS})
 _operator_originals: dict[str, Any] = {}
 _operator_saved: dict[tuple[Any, str], Any] = {}
 
@@ -464,6 +572,21 @@ def _install_operators() -> None:
     _operator_originals[f"{o}.{attr}"] = getattr(owner, attr)
     fn = _OPERATOR_DISPATCHERS[f"{o}.{attr}"]
     setattr(owner, attr, staticmethod(fn) if static else fn)
+  for o in _DOT_METHODS:
+    owner = _operator_owner(o)
+    raw = vars(owner).get("dot")
+    if raw is None:  # pragma: no cover - a JAX that binds x.dot elsewhere: it stays float
+      continue
+    if o == "ShapedArray":
+      if not (hasattr(raw, "_replace") and callable(getattr(raw, "fun", None))):
+        continue  # pragma: no cover - not an aval_method: tracers' x.dot stays float
+      _operator_originals[f"{o}.dot"] = raw.fun
+      new = raw._replace(fun=_OPERATOR_DISPATCHERS[f"{o}.dot"])
+    else:
+      _operator_originals[f"{o}.dot"] = raw
+      new = _OPERATOR_DISPATCHERS[f"{o}.dot"]
+    _operator_saved[(owner, "dot")] = raw
+    setattr(owner, "dot", new)
 
 
 def _uninstall_operators() -> None:
@@ -478,7 +601,8 @@ _DISPATCHERS = {"dot_general": _dispatch_dot_general, "einsum": _dispatch_einsum
                 "matmul": _product_dispatcher("matmul", matmul_dimension_numbers),
                 "dot": _product_dispatcher("dot", dot_dimension_numbers),
                 "tensordot": _dispatch_tensordot,
-                "inner": _product_dispatcher("inner", inner_dimension_numbers)}
+                "inner": _product_dispatcher("inner", inner_dimension_numbers),
+                "vdot": _dispatch_vdot, "lax.dot": _dispatch_lax_dot}
 
 for _name, _fn in _DISPATCHERS.items():
   _fn.__qtrain_dispatcher__ = _name  # type: ignore[attr-defined]

@@ -833,23 +833,27 @@ def quantize_model(model, provider: provider_lib.QtProvider, *sample_args, rngs=
       ``jax.lax.conv_general_dilated`` called by ``Dense``, ``DenseGeneral``,
       ``Conv``, ``Einsum``, ``MultiHeadDotProductAttention``'s projections,
       and by a user's own module, which also has its matmul family (``x @ w``,
-      ``jnp.matmul``, ``jnp.dot``, ``jnp.tensordot``, ``jnp.inner``: each a
-      ``dot_general`` op) quantized (the weight is the operand that is one of
-      the module's parameters; otherwise the op stays float with a warning).
+      ``jnp.matmul``, ``jnp.dot``, ``jnp.tensordot``, ``jnp.inner``,
+      ``jax.lax.dot``, ``x.dot(w)``, ``jnp.vdot`` of two vectors: each a
+      ``dot_general`` op) and ``jax.lax.ragged_dot`` (a ``ragged_dot`` op:
+      mixture-of-experts layers; ``ragged_dot_general`` of the same form)
+      quantized (the weight is the operand that is one of the module's
+      parameters; otherwise the op stays float with a warning).
     * nnx: ``Linear``, ``LinearGeneral``, ``Conv``, ``Einsum``,
       ``MultiHeadAttention``'s projections, user modules that keep and
       call a ``dot_general`` / ``einsum_op`` / ``conv_general_dilated``
       attribute (weight second), and user modules' own calls of ``jnp.einsum``,
-      ``jax.lax.dot_general``, ``jax.lax.conv_general_dilated`` and the matmul
-      family, as in linen (the weight is the operand that is one of the module's
-      ``nnx.Param`` s; each such call's op is made by the sample forward, and a
-      quantized call that the sample forward did not run raises).
-    * linen, left float with a warning where a rule would quantize them (and
-      listed by :func:`summary`): ``jax.lax.ragged_dot`` /
-      ``ragged_dot_general`` (mixture-of-experts layers; no quantized form).
+      ``jax.lax.dot_general``, ``jax.lax.conv_general_dilated``,
+      ``jax.lax.ragged_dot`` and the matmul family, as in linen (the weight is
+      the operand that is one of the module's ``nnx.Param`` s; each such call's
+      op is made by the sample forward, and a quantized call that the sample
+      forward did not run raises).
+    * Left float with a warning where a rule would quantize them (and listed
+      by :func:`summary`): ``jnp.vdot`` of other ranks (it flattens the
+      weight), ``ragged_dot_general`` of other forms (a ragged contraction or
+      ragged batch axes).
     * Never: the matmul family inside Flax's own layers (their own
-      ``lax.dot_general`` / ``jnp.einsum`` are what is quantized), ``jnp.vdot``,
-      ``x.dot(w)``, ``jax.lax.dot``, calls made inside an inner ``jax.jit`` / ``vmap`` / ``grad`` of a
+      ``lax.dot_general`` / ``jnp.einsum`` are what is quantized), calls made inside an inner ``jax.jit`` / ``vmap`` / ``grad`` of a
       module's method (float, so the inner jit's cache stays float), attention
       score/value einsums (activation x activation, float).
 

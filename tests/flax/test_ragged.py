@@ -1,0 +1,377 @@
+"""Mixture-of-experts layers: ``jax.lax.ragged_dot`` (and ``ragged_dot_general`` of its form) in a
+linen or nnx module is a quantized ``ragged_dot`` op of the module; and ``jax.lax.dot``,
+``jnp.vdot`` and ``x.dot(w)`` in a user's module, each a dot_general op like ``jnp.dot``."""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import qtrain
+from qtrain import freeze
+from qtrain.ops import config as C
+from qtrain.ops.ragged_dot_qt import ragged_dot_qt
+
+E, D, H = 4, 16, 32           # experts, model width, expert width
+RULE = dict(weight_qtype="int8", act_qtype="int8", bwd_qtype="int8",
+            bwd_stochastic_rounding="uniform")
+
+
+def _provider(**kw):
+  return qtrain.QtProvider([qtrain.QtRule(module_path=".*", **kw)])
+
+
+def _qwarnings(rec):
+  return [str(w.message) for w in rec if str(w.message).startswith("qtrain")]
+
+
+def _route(x, logits):
+  """Top-1 routing: rows sorted by expert, the group sizes, and the order to undo it."""
+  expert = jnp.argmax(logits, axis=-1)
+  order = jnp.argsort(expert)
+  sizes = jnp.bincount(expert, length=logits.shape[-1]).astype(jnp.int32)
+  gate = jax.nn.softmax(logits)[jnp.arange(x.shape[0]), expert][:, None]
+  return x[order], sizes, order, gate
+
+
+class LinenMoe(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    logits = nn.Dense(E, name="router")(x)
+    xs, sizes, order, gate = _route(x, logits)
+    up = self.param("up", nn.initializers.lecun_normal(batch_axis=(0,)), (E, D, H))
+    down = self.param("down", nn.initializers.lecun_normal(batch_axis=(0,)), (E, H, D))
+    h = nn.gelu(jax.lax.ragged_dot(xs, up, sizes))
+    y = jax.lax.ragged_dot(h, down, sizes)
+    return x + gate * jnp.zeros_like(y).at[order].set(y)
+
+
+class LinenNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(D, name="embed")(x)
+    x = LinenMoe(name="moe")(x)
+    return nn.Dense(1, name="head")(x)[:, 0]
+
+
+def _data(n=64, seed=0):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(k1, (n, 8))
+  y = jnp.sin(x[:, 0] * 2) + x[:, 1] * x[:, 2]
+  return x, y
+
+
+def _train_linen(model, params, steps, rngs=True):
+  x, y = _data()
+  opt = optax.adam(3e-3)
+  state = opt.init(params)
+
+  @jax.jit
+  def step(params, state, key):
+    def loss_fn(p):
+      out = model.apply({"params": p}, x, rngs={"quant": key} if rngs else None)
+      return jnp.mean((out - y) ** 2)
+    loss, g = jax.value_and_grad(loss_fn)(params)
+    upd, state = opt.update(g, state, params)
+    return optax.apply_updates(params, upd), state, loss
+  losses = []
+  for i in range(steps):
+    params, state, loss = step(params, state, jax.random.key(100 + i))
+    losses.append(float(loss))
+  return losses
+
+
+class TestLinen:
+
+  @pytest.mark.slow
+  def test_moe_trains_quantized_close_to_float(self):
+    x, _ = _data()
+    params = LinenNet().init(jax.random.key(1), x)["params"]
+    p = _provider(**RULE)
+    qm = qtrain.quantize_model(LinenNet(), p)
+    assert jax.tree.map(jnp.shape, qm.init(jax.random.key(1), x)["params"]) == \
+        jax.tree.map(jnp.shape, params)
+    recs = {(r.path, r.op_id): r for r in p.records()}
+    for op_id in ("ragged_dot0", "ragged_dot1"):
+      r = recs[("moe", op_id)]
+      assert (r.op_name, r.status, r.weight_operand, r.weight_qtype, r.bwd_qtype) == \
+          ("ragged_dot", "quantized", "rhs", "int8", "int8")
+    assert "moe          ragged_dot1   0     rhs     int8     int8     int8     quantized" in \
+        qtrain.summary(qm)
+    y_f = LinenNet().apply({"params": params}, x)
+    y_q = qm.apply({"params": params}, x)
+    assert 0 < float(jnp.abs(y_q - y_f).max()) < 0.05 * float(jnp.abs(y_f).max())
+    lf = _train_linen(LinenNet(), params, 30, rngs=False)
+    lq = _train_linen(qm, params, 30)
+    assert lq[-1] < 0.6 * lq[0]
+    assert abs(lq[-1] - lf[-1]) < 0.15 * lf[-1] + 0.02, (lq[-1], lf[-1])
+
+  def test_op_names_and_the_float_model_untouched(self):
+    class Small(nn.Module):
+      @nn.compact
+      def __call__(self, x, sizes):
+        w = self.param("w", nn.initializers.normal(1.0), (2, D, 4))
+        return jax.lax.ragged_dot(nn.Dense(D, name="proj")(x), w, sizes)
+    x = jax.random.normal(jax.random.key(0), (6, 8))
+    sizes = jnp.array([2, 4], jnp.int32)
+    params = Small().init(jax.random.key(1), x, sizes)
+    want = Small().apply(params, x, sizes)
+    only = _provider(op_names=("ragged_dot",), weight_qtype="int8")
+    qtrain.quantize_model(Small(), only).apply(params, x, sizes)
+    assert {(r.op_name, r.status) for r in only.records()} == {
+        ("ragged_dot", "quantized"), ("dot_general", "float: no rule matched")}
+    quiet = _provider(op_names=("dot_general",), weight_qtype="int8")
+    with warnings.catch_warnings(record=True) as rec:
+      warnings.simplefilter("always")
+      qtrain.quantize_model(Small(), quiet).apply(params, x, sizes)
+    assert not [m for m in _qwarnings(rec) if "ragged_dot" in m]
+    assert {(r.op_name, r.status) for r in quiet.records()} == {
+        ("ragged_dot", "float: no rule matched"), ("dot_general", "quantized")}
+    # A float model run after is the float model; the public names are JAX's again.
+    np.testing.assert_array_equal(Small().apply(params, x, sizes), want)
+    assert jax.lax.ragged_dot.__name__ == "ragged_dot"
+
+  def test_ragged_dot_general_of_the_same_meaning_is_quantized(self):
+    """rhs stored (G, N, K): ragged_dot_general with rhs contracting axis 2 is the op on the
+    transposed weight, bit for bit; a ragged contraction (another meaning) stays float,
+    recorded as an unsupported form, with a warning."""
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0])
+    contraction = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[])
+
+    class Gen(nn.Module):
+      @nn.compact
+      def __call__(self, x, sizes):
+        w = self.param("w", nn.initializers.normal(1.0), (3, 5, x.shape[-1]))   # (G, N, K)
+        y = jax.lax.ragged_dot_general(x, w, sizes, dims)
+        v = self.param("v", nn.initializers.normal(1.0), (x.shape[0], 2))
+        z = jax.lax.ragged_dot_general(x, v, sizes, contraction)            # (G, K, 2)
+        return y, z
+    x = jax.random.normal(jax.random.key(0), (9, 16))
+    sizes = jnp.array([4, 0, 5], jnp.int32)
+    params = Gen().init(jax.random.key(1), x, sizes)
+    p = _provider(weight_qtype="int8", act_qtype="int8")
+    with warnings.catch_warnings(record=True) as rec:
+      warnings.simplefilter("always")
+      y, z = qtrain.quantize_model(Gen(), p).apply(params, x, sizes)
+    cfg = C.DotGeneralQtConfig(lhs=C.OperandQuant(qtype="int8"), rhs=C.OperandQuant(qtype="int8"))
+    np.testing.assert_array_equal(
+        y, ragged_dot_qt(x, jnp.transpose(params["params"]["w"], (0, 2, 1)), sizes, cfg))
+    np.testing.assert_array_equal(z, Gen().apply(params, x, sizes)[1])
+    assert [(r.op_id, r.status) for r in p.records()] == [
+        ("ragged_dot0", "quantized"), ("ragged_dot1", "float: unsupported form")]
+    assert any("ragged_dot in module ''" in m and "unsupported form" in m
+               for m in _qwarnings(rec)), _qwarnings(rec)
+
+  def test_unsupported_rules_raise_naming_the_rule_and_what_is_valid(self):
+    x, _ = _data(16)
+    with pytest.raises(ValueError, match=r"rules\[0\].*lora_rank=4.*ragged_dot in module "
+                       r"'moe'.*op_names=\('dot_general', 'einsum'\)"):
+      qtrain.quantize_model(LinenNet(), _provider(lora_rank=4)).init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"rules\[0\] \(module_path='\.\*'\) on ragged_dot in "
+                       r"module 'moe': config.implementation='triton'.*valid: \['auto', 'xla'\]"):
+      qtrain.quantize_model(LinenNet(), _provider(weight_qtype="int8", implementation="triton",
+                                                  op_names=("ragged_dot",))
+                            ).init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"ragged_dot in module 'moe'.*tile_size=24 does not "
+                       r"divide the contraction K=16"):
+      qtrain.quantize_model(LinenNet(), _provider(
+          weight_qtype="int8", tile_size=24, op_names=("ragged_dot",))).init(jax.random.key(0), x)
+
+  def test_freeze_raises_naming_the_op(self):
+    x, _ = _data(16)
+    p = _provider(weight_qtype="int8", op_names=("ragged_dot",))
+    qm = qtrain.quantize_model(LinenNet(), p)
+    variables = jax.eval_shape(qm.init, jax.random.key(0), x)
+    variables = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), variables)
+    with pytest.raises(ValueError, match=r"freeze: .*moe.*quantized ragged_dot.*op_names="
+                       r"\('ragged_dot',\)"):
+      freeze.freeze(variables, p)
+
+  def test_no_weight_operand_stays_float_with_a_warning(self):
+    class TwoActs(nn.Module):
+      @nn.compact
+      def __call__(self, x, sizes):
+        w = self.param("w", nn.initializers.normal(1.0), (2, x.shape[-1], 3))
+        return jax.lax.ragged_dot(x, w * 2.0, sizes)     # a computed weight: no parameter
+    x = jax.random.normal(jax.random.key(0), (5, 8))
+    sizes = jnp.array([2, 3], jnp.int32)
+    params = TwoActs().init(jax.random.key(1), x, sizes)
+    p = _provider(weight_qtype="int8")
+    with warnings.catch_warnings(record=True) as rec:
+      warnings.simplefilter("always")
+      got = qtrain.quantize_model(TwoActs(), p).apply(params, x, sizes)
+    np.testing.assert_array_equal(got, TwoActs().apply(params, x, sizes))
+    assert [r.status for r in p.records()] == ["float: no weight operand"]
+    assert any("no operand is one of the module's parameters" in m for m in _qwarnings(rec))
+
+
+class NnxMoe(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Linear(8, D, rngs=rngs)
+    self.router = nnx.Linear(D, E, rngs=rngs)
+    init = nnx.initializers.lecun_normal(batch_axis=(0,))
+    self.up = nnx.Param(init(rngs.params(), (E, D, H)))
+    self.down = nnx.Param(init(rngs.params(), (E, H, D)))
+    self.head = nnx.Linear(D, 1, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.embed(x)
+    xs, sizes, order, gate = _route(x, self.router(x))
+    h = nnx.gelu(jax.lax.ragged_dot(xs, self.up[...], sizes))
+    y = jax.lax.ragged_dot(h, self.down, sizes)           # the Variable itself works too
+    x = x + gate * jnp.zeros_like(y).at[order].set(y)
+    return self.head(x)[:, 0]
+
+
+def _train_nnx(model, steps):
+  x, y = _data()
+  opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, opt):
+    loss, g = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    opt.update(model, g)
+    return loss
+  return [float(step(model, opt)) for _ in range(steps)]
+
+
+class TestNnx:
+
+  @pytest.mark.slow
+  def test_moe_trains_quantized_close_to_float(self):
+    x, _ = _data()
+    model = NnxMoe(nnx.Rngs(0))
+    float_model = nnx.clone(model)
+    y_f = float_model(x)
+    p = _provider(**RULE)
+    qtrain.quantize_model(model, p, x, rngs=nnx.Rngs(quant=1))
+    assert isinstance(model.ragged_dot0, qtrain.QtOp) and isinstance(model.ragged_dot1,
+                                                                     qtrain.QtOp)
+    assert [(r.op_id, r.status, r.weight_operand) for r in p.records()
+            if r.op_name == "ragged_dot"] == [("ragged_dot0", "quantized", "rhs"),
+                                               ("ragged_dot1", "quantized", "rhs")]
+    y_q = nnx.jit(lambda m: m(x))(model)
+    assert 0 < float(jnp.abs(y_q - y_f).max()) < 0.05 * float(jnp.abs(y_f).max())
+    lf = _train_nnx(float_model, 30)
+    lq = _train_nnx(model, 30)
+    assert lq[-1] < 0.6 * lq[0]
+    assert abs(lq[-1] - lf[-1]) < 0.15 * lf[-1] + 0.02, (lq[-1], lf[-1])
+    with pytest.raises(ValueError, match="ragged_dot"):
+      freeze.freeze(model)
+
+
+# ---------------------------------------------------------------------------
+# jax.lax.dot, x.dot(w), jnp.vdot: dot_general ops of a user's module, like jnp.dot.
+
+X = jax.random.normal(jax.random.key(0), (6, 16))
+DOT_RULE = dict(weight_qtype="int8", act_qtype="int8", bwd_qtype="int8",
+                bwd_stochastic_rounding="uniform", implementation="xla")
+FORMS = {
+    "lax.dot": lambda x, w: jax.lax.dot(x, w),
+    "lax.dot_dimension_numbers": lambda x, w: jax.lax.dot(
+        x, w, dimension_numbers=(((1,), (0,)), ((), ()))),
+    "x.dot": lambda x, w: x.dot(w),
+    "dense": None,
+}
+
+
+class LinenProduct(nn.Module):
+  form: str
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.tanh(x)
+    if self.form == "dense":
+      h = nn.Dense(8, use_bias=False, name="proj")(x)
+    else:
+      h = Proj(self.form, name="proj")(x)
+    return jnp.sum(h ** 2, axis=-1)
+
+
+class Proj(nn.Module):
+  form: str
+
+  @nn.compact
+  def __call__(self, x):
+    return FORMS[self.form](x, self.param("kernel", nn.initializers.lecun_normal(), (16, 8)))
+
+
+@pytest.mark.parametrize("form", ["lax.dot", "lax.dot_dimension_numbers", "x.dot"])
+def test_linen_dot_forms_equal_dense_bit_for_bit(form):
+  dense = qtrain.quantize_model(LinenProduct("dense"), _provider(**DOT_RULE))
+  params = dense.init(jax.random.key(1), X)["params"]
+  p = _provider(**DOT_RULE)
+  qm = qtrain.quantize_model(LinenProduct(form), p)
+  key = jax.random.key(2)
+
+  def vg(model):
+    f = lambda p, x: jnp.mean(model.apply({"params": p}, x, rngs={"quant": key}))
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(params, X)
+  (y, (gp, gx)), (y_ref, (gp_ref, gx_ref)) = vg(qm), vg(dense)
+  np.testing.assert_array_equal(y, y_ref)
+  np.testing.assert_array_equal(gp["proj"]["kernel"], gp_ref["proj"]["kernel"])
+  np.testing.assert_array_equal(gx, gx_ref)
+  assert y != jnp.mean(LinenProduct("dense").apply({"params": params}, X))
+  assert [(r.path, r.op_id, r.status, r.weight_operand) for r in p.records()] == [
+      ("proj", "dot_general0", "quantized", "rhs")]
+  # Put back after the call: the float forms are JAX's own again.
+  assert jax.lax.dot.__name__ == "dot" and "_dispatch" not in type(X).dot.__name__
+
+
+class NnxProduct(nnx.Module):
+  def __init__(self, form, rngs):
+    self.form = form
+    self.w = nnx.Param(jax.random.normal(rngs.params(), (16, 8)))
+
+  def __call__(self, x):
+    return FORMS[self.form](nnx.tanh(x), self.w[...])
+
+
+@pytest.mark.parametrize("form", ["lax.dot", "x.dot"])
+def test_nnx_dot_forms_equal_linear_bit_for_bit(form):
+  rule = dict(weight_qtype="int8", act_qtype="int8", bwd_qtype="int8", implementation="xla")
+  m = NnxProduct(form, nnx.Rngs(0))
+  lin = nnx.Linear(16, 8, use_bias=False, rngs=nnx.Rngs(1))
+  lin.kernel[...] = m.w[...]
+  p = _provider(**rule)
+  qtrain.quantize_model(m, p, X)
+  qtrain.quantize_model(lin, _provider(**rule), X)
+  loss = lambda mod, x: jnp.mean(mod(x) ** 2)
+  y, g = nnx.jit(nnx.value_and_grad(loss))(m, X)
+  y_lin, g_lin = nnx.jit(nnx.value_and_grad(lambda mod, x: loss(mod, nnx.tanh(x))))(lin, X)
+  np.testing.assert_array_equal(y, y_lin)
+  np.testing.assert_array_equal(g.w[...], g_lin.kernel[...])
+  assert [(r.op_id, r.status, r.weight_operand) for r in p.records()] == [
+      ("dot_general0", "quantized", "rhs")]
+
+
+def test_vdot_of_vectors_is_jnp_dot_and_other_ranks_stay_float():
+  class Vdot(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      v = self.param("v", nn.initializers.normal(1.0), (16,))
+      w = self.param("w", nn.initializers.normal(1.0), (6, 16))
+      return jnp.vdot(x[0], v), jnp.dot(x[0], v), jnp.vdot(x, w)
+
+  params = Vdot().init(jax.random.key(1), X)
+  p = _provider(weight_qtype="int8", act_qtype="int8")
+  with warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    a, b, c = qtrain.quantize_model(Vdot(), p).apply(params, X)
+  np.testing.assert_array_equal(a, b)                  # the quantized 1-D jnp.dot
+  assert a != Vdot().apply(params, X)[0]
+  np.testing.assert_array_equal(c, Vdot().apply(params, X)[2])
+  assert [(r.op_id, r.status) for r in p.records()] == [
+      ("dot_general0", "quantized"), ("dot_general1", "quantized"),
+      ("dot_general2", "float: unsupported form")]
+  assert any("dot_general in module ''" in m and "unsupported form" in m
+             for m in _qwarnings(rec)), _qwarnings(rec)
