@@ -227,7 +227,7 @@ class NnxMoe(nnx.Module):
     x = self.embed(x)
     xs, sizes, order, gate = _route(x, self.router(x))
     h = nnx.gelu(jax.lax.ragged_dot(xs, self.up[...], sizes))
-    y = jax.lax.ragged_dot(h, self.down, sizes)           # the Variable itself works too
+    y = jax.lax.ragged_dot(h, self.down[...], sizes)
     x = x + gate * jnp.zeros_like(y).at[order].set(y)
     return self.head(x)[:, 0]
 
