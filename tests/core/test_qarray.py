@@ -641,3 +641,21 @@ def test_axis_names_are_checked():
                     out_specs=jax.sharding.PartitionSpec())
   with pytest.raises(ValueError, match=r"'dta' is not a mesh axis of the enclosing shard_map"):
     f(x)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_dequantize_reads_its_codes_through_the_optimization_barrier(dtype):
+  # XLA's GPU backend folds an f32 -> fp8 -> f32 round trip inside one jit unless the fp8
+  # codes pass an optimization barrier (tests/ops/test_ops_gpu.py measures it on the GPU). On
+  # the CPU nothing folds, so check the program: the barrier's fp8 output must be what the
+  # dequantization reads (a barrier whose output goes unused protects nothing).
+  spec = qarray.QuantizeSpec(qtype=dtype)
+  jaxpr = jax.make_jaxpr(lambda x: qarray.fake_quantize(x, spec))(
+      jnp.asarray(np.random.default_rng(0).standard_normal((64,)), jnp.float32)).jaxpr
+  eqns = list(jaxpr.eqns)
+  barriers = [(i, e) for i, e in enumerate(eqns) if e.primitive.name == "optimization_barrier"
+              and any(v.aval.dtype == jnp.dtype(dtype) for v in e.invars)]
+  assert barriers, "no optimization barrier on the fp8 codes"
+  for i, e in barriers:
+    used = {id(v) for later in eqns[i + 1:] for v in later.invars} | {id(v) for v in jaxpr.outvars}
+    assert any(id(v) in used for v in e.outvars), f"the barrier's output is unused: {e}"
