@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
           fig = measure(name, shape, n, args.mode, plan, text.train, params0)
       except Exception as e:  # report, keep going
         print(f"{name} x{n}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        # A partitioner callback's error carries the Python traceback inside the message: its
+        # end names the cause.
+        print(f"  ... {str(e)[-2000:]}", file=sys.stderr, flush=True)
         rows.append(dict(row, ms=None, error=f"{type(e).__name__}: {str(e)[:200]}"))
         rec.write(rows)
         continue

@@ -15,15 +15,15 @@ at 0.59 of perfect weak scaling where bf16 ran at 0.92 (``benchmarks/scaling.py`
   differ from one device's by float32 rounding of the partial sums.
 
 On one device, or inside a ``jax.shard_map`` whose axes are all manual, the wrapped function
-is inlined (no partitioning happens).
+is inlined (no partitioning happens). Under ``jax.vmap`` the kernel function is vmapped
+directly (``custom_partitioning`` has no batching rule): batched calls are not partitioned.
 
 The partitioner asks for each call site's per-shard computation separately, and each answer is
 lowered into a module of its own: a Pallas kernel would be lowered again at every site (a Mosaic
 GEMM takes seconds; an 8-block decoder's step compiled in 184 s on two GPUs against 46 s on one).
 The per-shard kernel is therefore lowered once per argument signature through ``jax.export``
 and each site calls that copy (:func:`_lowered_once`): the same custom call, merged into the
-site's module instead of lowered again. Under ``jax.vmap`` the kernel function is vmapped
-directly (``custom_partitioning`` has no batching rule): batched calls are not partitioned.
+site's module instead of lowered again.
 
 The kernel functions are static arguments: module-level functions (or ``functools.partial``
 of them) that compute on whatever (local) shapes they get, choosing their configs there.
@@ -43,6 +43,7 @@ Example (fake CPU devices; ``kernel`` stands in for a Pallas kernel):
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Callable
 
 import jax
@@ -68,8 +69,20 @@ def _entry(names: tuple[str, ...]):
   return None if not names else (names[0] if len(names) == 1 else names)
 
 
-# Exported per-shard kernels, by (function, static arguments, argument shapes and dtypes).
-_EXPORTED: dict[tuple, jax_export.Exported] = {}
+# Custom calls of this package's kernels that jax.export refuses by default because their IR
+# carries no compatibility guarantee across jax versions (Pallas Triton kernels). The exported
+# copies here are merged back into the same process's programs, never serialized.
+_KERNEL_CUSTOM_CALLS = ("__gpu$xla.gpu.triton",)
+
+# Exported per-shard kernels (or the reason one could not be exported), by (function, static
+# arguments, argument shapes and dtypes).
+_EXPORTED: dict[tuple, jax_export.Exported | str] = {}
+
+
+def export_kernel(fn: Callable[..., jax.Array], specs, *, platforms=None) -> jax_export.Exported:
+  """``jax.export`` of ``jax.jit(fn)`` for ``specs``, accepting this package's kernel calls."""
+  checks = [jax_export.DisabledSafetyCheck.custom_call(t) for t in _KERNEL_CUSTOM_CALLS]
+  return jax_export.export(jax.jit(fn), platforms=platforms, disabled_checks=checks)(*specs)
 
 
 def _lowered_once(fn: Callable[..., jax.Array], *args: jax.Array, **static) -> jax.Array:
@@ -77,13 +90,24 @@ def _lowered_once(fn: Callable[..., jax.Array], *args: jax.Array, **static) -> j
 
   Called while a partitioner builds one site's per-shard module: the first site of a signature
   exports (lowers) ``fn``, later sites merge that module instead of lowering the kernel again.
+  A function that does not export is lowered at each site (slower to compile, the same
+  program), with a warning naming it and why.
   """
   key = (fn, tuple(sorted(static.items())), tuple((a.shape, jnp.dtype(a.dtype)) for a in args))
   exp = _EXPORTED.get(key)
   if exp is None:
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
-    exp = jax_export.export(jax.jit(functools.partial(fn, **static)))(*specs)
+    try:
+      exp = export_kernel(functools.partial(fn, **static), specs)
+    except Exception as e:  # noqa: BLE001 - any refusal: lower at the site instead
+      exp = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+      warnings.warn(f"qtrain: the per-shard kernel {getattr(fn, '__name__', fn)!r} for "
+                    f"{[f'{a.dtype}{list(a.shape)}' for a in specs]} could not be exported "
+                    f"({exp}); it is lowered again at every call site (slower compile, the "
+                    "same program)", RuntimeWarning, stacklevel=2)
     _EXPORTED[key] = exp
+  if isinstance(exp, str):
+    return fn(*args, **static)
   return exp.call(*args)
 
 

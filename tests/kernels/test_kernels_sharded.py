@@ -62,3 +62,32 @@ def test_call_sites_of_one_shard_signature_lower_the_kernel_once(run):
   # A Pallas kernel lowered at every site made an 8-block decoder compile 4x slower on 2 GPUs.
   r = run["sites"]
   assert r["equal"] and r["shard_traces"] == 1, r
+
+
+def test_the_triton_transpose_kernel_exports_for_the_gpu():
+  # The per-shard transpose is a Pallas Triton kernel, whose custom call jax.export refuses by
+  # default: without accepting it the export failed at every per-shard transpose on the GPU.
+  # Lowered for CUDA here (no GPU needed to lower a Triton kernel).
+  import jax
+  import jax.numpy as jnp
+  from qtrain.kernels import sharded, transpose as tp
+
+  exp = sharded.export_kernel(tp._kernel_transpose((1, 0)),
+                              [jax.ShapeDtypeStruct((256, 512), jnp.int8)], platforms=["cuda"])
+  assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+  assert exp.out_avals[0].shape == (512, 256)
+
+
+def test_a_kernel_that_does_not_export_is_lowered_at_the_site_with_a_warning():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from qtrain.kernels import sharded
+
+  def host_kernel(x):  # host callbacks do not export
+    return jax.pure_callback(lambda v: np.asarray(v) * 2, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+  x = jnp.asarray(np.random.default_rng(0).standard_normal(8), jnp.float32)
+  with pytest.warns(RuntimeWarning, match=r"host_kernel.*could not be exported.*every call site"):
+    out = jax.jit(lambda v: sharded._lowered_once(host_kernel, v))(x)
+  np.testing.assert_array_equal(np.asarray(out), 2 * np.asarray(x))
