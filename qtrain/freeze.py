@@ -297,7 +297,9 @@ def _from_record(rec, provider, module_params: Mapping, state: Mapping, where: s
     elif rule.act_static_scale:
       s = need("act_static_scale", "a static input scale")
       count = need("act_static_count", "a static input scale")
-      if static == "given" or float(count) > 0:
+      # Under tracing (nnx.eval_shape of a PTQ model) the count is not known: a template keeps
+      # the calibrated scale's place.
+      if static == "given" or isinstance(count, jax.core.Tracer) or float(count) > 0:
         scale_kind, scale_a = "given", s
       else:  # never calibrated: the QT op calibrates one scale per batch, as here
         scale_kind = "batch"
@@ -358,6 +360,23 @@ def _layer_path(key: str, layer: FrozenLayer) -> str:
   return key[:-len(suffix)] if layer.op_id and key.endswith(suffix) else key
 
 
+def _static_state(provider, stats, rec) -> tuple[dict, list[str]]:
+  """A static input scale's state ``{"act_static_scale", "act_static_count"}`` of op ``rec``
+  from its module's statistics ``stats`` (name -> value), and the names it was read from.
+
+  A provider with its own layout of the statistics (``read_static_stats``: qtrain.qwix's, qwix's
+  ``<op id>_lhs: {count, sum_of_absmax}``) reads them itself; qtrain's are
+  ``<op id>_act_static_scale`` / ``<op id>_act_static_count``.
+  """
+  stats = stats if isinstance(stats, Mapping) else {}
+  read = getattr(provider, "read_static_stats", None)
+  if read is not None:
+    return read(stats, rec.op_id, provider.rules[rec.rule_index])
+  names = {n: f"{rec.op_id}_{n}" for n in ("act_static_scale", "act_static_count")}
+  return ({n: stats.get(k) for n, k in names.items()},
+          [k for k in names.values() if stats.get(k) is not None])
+
+
 def _freeze_records(variables, provider, *, static: str = "count") -> dict:
 
   recs = [r for r in _records(provider) if r.status == provider_lib.QUANTIZED]
@@ -374,16 +393,14 @@ def _freeze_records(variables, provider, *, static: str = "count") -> dict:
     for part in split:
       mod_stats = mod_stats.get(part, {}) if isinstance(mod_stats, Mapping) else {}
     state = {n: flax_meta.unbox(mod.get(f"{r.op_id}_{n}")) for n in ("act_scale", "act_shift")}
-    state.update({n: mod_stats.get(f"{r.op_id}_{n}") for n in ("act_static_scale",
-                                                               "act_static_count")})
+    static_state, stat_names = _static_state(provider, mod_stats, r)
+    state.update(static_state)
     layer = _from_record(r, provider, mod, state, where, static=static)
     layers[_layer_key(r.path, r.op_id, counts)] = layer
     drop_params.add(split + (layer.param,))
     drop_params.update(split + (f"{r.op_id}_{n}",) for n in ("act_scale", "act_shift")
                        if state[n] is not None)
-    drop_stats.update(split + (f"{r.op_id}_{n}",) for n in ("act_static_scale",
-                                                           "act_static_count")
-                      if state[n] is not None)
+    drop_stats.update(split + (n,) for n in stat_names)
   rest = dict(variables)
   # Ops left in float keep no adapter of their own: theirs folds into their kernel.
   frozen_ops = {(r.path, r.op_id) for r in recs}
@@ -604,6 +621,14 @@ def _freeze_nnx(model, provider=None):
     params = {k: variable_get(v) for k, v in vars(node).items()
               if isinstance(v, nnx.Param) and not isinstance(v, nnx.LoRAParam)}
     state = {n: variable_get(getattr(op, n)) for n in _STATE_NAMES if getattr(op, n, None) is not None}
+    owner = getattr(op, "stat_owner", None)
+    if owner is not None:  # statistics kept on the layer (qtrain.qwix's provider)
+      stats = {k: variable_get(v) for k, v in vars(owner).items()
+               if isinstance(v, model_lib.QuantStat)}
+      static_state, names = _static_state(op.provider, stats, rec)
+      state.update({k: v for k, v in static_state.items() if v is not None})
+      for k in names:
+        delattr(node, k)
     layer = _from_record(rec, op.provider, params, state, where)
     adapter = None
     if layer.lora is not None:

@@ -15,9 +15,12 @@ stochastic-rounding keys from qwix's RNG stream (``"stochastic_rounding"``) and 
 deliberately differs (it raises where qwix leaves an op float, its activation static scale is
 one per tensor, ...) ``docs/migration-from-qwix.md`` lists it.
 
-PTQ (:class:`PtqProvider`, :func:`quantize_params`) freezes each quantized op's weight with
-:mod:`qtrain.freeze`: the QT op's own codes of the same weights, stored packed, run on the
-packed GPU kernels.
+PTQ (:class:`PtqProvider`, :func:`quantize_params`) quantizes each quantized op's weight as
+:mod:`qtrain.freeze` does (the QT op's own codes of the same weights) and keeps it in qwix's
+params layout, a :class:`WithAux` of a :class:`QArray` ``(qvalue, scale[, zero_point])``; each
+call rebuilds qtrain's frozen layer from it (no re-quantization) for the frozen product. Static
+activation scales keep qwix's statistics (``quant_stats/<path>/<op id>_lhs/{count,
+sum_of_absmax}``).
 
 Example:
   >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -38,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import threading
 import warnings
 from typing import Any, Collection, Mapping, Sequence
 
@@ -51,12 +55,15 @@ from qtrain import freeze as freeze_lib
 from qtrain import provider as provider_lib
 from qtrain import rules as rules_lib
 from qtrain import _frozen
+from qtrain._qwix import layout
+from qtrain.core import qarray, qtypes
 from qtrain._frozen import FrozenLayer
 from qtrain.flax import model as model_lib
 
 __all__ = ["QuantizationRule", "QtRule", "QtProvider", "PtqProvider", "PtqModel", "QuantStat",
            "quantize_model", "quantize_params", "process_prequantized_params",
-           "restore_quantization_rules", "to_qtrain_rule", "RNG_STREAM", "FROZEN_KEY"]
+           "restore_quantization_rules", "to_qtrain_rule", "RNG_STREAM", "WithAux", "QArray", "dequantize",
+           "PtqOp"]
 
 # qwix's nnx variable type of calibration state: ``nnx.state(model, qwix.QuantStat)`` selects a
 # QT model's static-scale state (qtrain's layout, not qwix's ``sum_of_absmax`` / ``count``).
@@ -75,8 +82,8 @@ class QuantizationRule:
     weight_qtype: the weight's qtype; None leaves the op float (as in qwix, whatever
       ``act_qtype`` says).
     act_qtype: the activation's qtype.
-    tile_size: an int tile along the contraction (qwix's float form, a fraction of the axis,
-      raises: give the tile in elements).
+    tile_size: an int tile along the contraction, a float (a fraction of it, ``1 / tile
+      count``), or per-axis tiles ``{axis: tile}`` (2-D scales; see ``qtrain.QtRule``).
     act_static_scale: keep a calibrated activation scale in ``quant_stats`` (None: no).
     weight_calibration_method, act_calibration_method: ``"<method>[,<args>]"``
       (see :func:`qtrain.core.qarray.as_calibration`); ``act_calibration_method=None``
@@ -103,14 +110,17 @@ class QtRule(QuantizationRule):
   Attributes:
     bwd_qtype: the gradient's qtype in both backward products.
     bwd_calibration_method: the gradient's calibration.
-    bwd_weight_grad_tile_size: not supported (raises when set).
+    bwd_weight_grad_tile_size: the incoming gradient's tile in the weight gradient's product
+      (``qtrain.QtRule.bwd_weight_grad_tile_size``).
     disable_channelwise_axes: one scale per tensor (per tile with ``tile_size``).
     bwd_stochastic_rounding: ``"uniform"`` or ``"low_bit_uniform"`` (qtrain's
       ``"low_bit_hash"`` too).
     channelwise_noise_axes: accepted, any value: qtrain draws one noise value per element,
       never broadcasts it over axes (qwix's default draws it along axis 0 only).
-    additional_qt_config: not supported (raises when set): qtrain's op configs differ from
-      qwix's.
+    additional_qt_config: qwix's per-product overrides; the tiles (``tile_size``,
+      ``dlhs_tile_size``, ``drhs_tile_size``) and gradient qtypes / calibrations equal for both
+      products map (read with the weight as the second operand: ``dlhs`` is the input's
+      gradient), any other key raises naming it.
   """
 
   bwd_qtype: Any = None
@@ -134,22 +144,19 @@ def to_qtrain_rule(rule: QuantizationRule | rules_lib.QtRule) -> rules_lib.QtRul
     raise ValueError(f"expected a qwix QuantizationRule / QtRule (qtrain.qwix) or a "
                      f"qtrain.QtRule, got a {type(rule).__name__}")
   bad = []
-  if isinstance(rule.tile_size, float):
-    bad.append(f"tile_size={rule.tile_size!r}: a tile as a fraction of the axis is not supported; "
-               "give the tile size in elements (an int)")
   if tuple(rule.act_batch_axes) != (0,):
     bad.append(f"act_batch_axes={tuple(rule.act_batch_axes)!r}: qtrain's static activation "
                "scale is one per tensor; only the default (0,) is accepted")
   qt = rule if isinstance(rule, QtRule) else None
-  if qt is not None and qt.bwd_weight_grad_tile_size is not None:
-    bad.append(f"bwd_weight_grad_tile_size={qt.bwd_weight_grad_tile_size!r}: not supported "
-               "(the weight gradient's products are per channel); leave it None")
-  if qt is not None and qt.additional_qt_config is not None:
-    bad.append("additional_qt_config: qwix's op-config overrides have no qtrain counterpart; "
-               "leave it None and set the rule's fields (qtrain.QtRule has more of them)")
+  extra = _additional_qt_config(qt, bad) if qt is not None else {}
   if bad:
     raise ValueError(f"qwix rule (module_path={rule.module_path!r}): " + "; ".join(bad))
   op_names = tuple(rule.op_names) or None
+  bwd_q = extra.get("bwd_qtype", qt.bwd_qtype if qt else None)
+  w_tile = extra.get("bwd_weight_grad_tile_size", qt.bwd_weight_grad_tile_size if qt else None)
+  a_tile = extra.get("bwd_act_grad_tile_size")
+  if bwd_q is None:  # qwix reads a gradient's tile only where that gradient is quantized
+    w_tile = a_tile = None
   if rule.weight_qtype is None:  # qwix quantizes nothing in an op without a weight qtype
     return rules_lib.QtRule(module_path=rule.module_path, op_names=op_names)
   return rules_lib.QtRule(
@@ -157,15 +164,68 @@ def to_qtrain_rule(rule: QuantizationRule | rules_lib.QtRule) -> rules_lib.QtRul
       op_names=op_names,
       weight_qtype=rule.weight_qtype,
       act_qtype=rule.act_qtype,
-      tile_size=rule.tile_size,
+      tile_size=extra.get("tile_size", rule.tile_size),
       act_static_scale=bool(rule.act_static_scale),
       weight_calibration_method=rule.weight_calibration_method,
       act_calibration_method=rule.act_calibration_method or "absmax",
-      bwd_qtype=qt.bwd_qtype if qt else None,
+      bwd_qtype=bwd_q,
       bwd_calibration_method=qt.bwd_calibration_method if qt else "absmax",
+      bwd_weight_grad_tile_size=w_tile,
+      bwd_act_grad_tile_size=a_tile,
       disable_channelwise_axes=qt.disable_channelwise_axes if qt else False,
       bwd_stochastic_rounding=qt.bwd_stochastic_rounding if qt else None,
   )
+
+
+# qwix's DotGeneralQtConfig fields that additional_qt_config may override and qtrain maps: the
+# per-product gradient qtypes (each must equal the other's, as qtrain.QtRule's bwd_qtype is
+# both products'), the tiles (forward; each backward product's incoming gradient) and the
+# gradient calibration where it is the rule's. Read with the weight as the second operand
+# (x @ W: nnx.Linear, linen Dense / DenseGeneral, Einsum('...k,kn')): dlhs is the input's
+# gradient, drhs the weight's.
+_QT_CONFIG_KEYS = ("tile_size", "dlhs_grad_qtype", "drhs_grad_qtype", "dlhs_tile_size",
+                   "drhs_tile_size", "dlhs_grad_calibration_method",
+                   "drhs_grad_calibration_method")
+
+
+def _additional_qt_config(qt: "QtRule", bad: list) -> dict:
+  """The qtrain.QtRule fields ``qt.additional_qt_config`` sets (appending to ``bad`` what it
+  cannot map, naming the key)."""
+  cfg = qt.additional_qt_config
+  if cfg is None:
+    return {}
+  if not isinstance(cfg, Mapping):
+    bad.append(f"additional_qt_config={cfg!r} must be a mapping of DotGeneralQtConfig fields")
+    return {}
+  out: dict = {}
+  for k in cfg:
+    if k not in _QT_CONFIG_KEYS:
+      bad.append(f"additional_qt_config[{k!r}]: not supported (qtrain maps "
+                 f"{', '.join(_QT_CONFIG_KEYS)}; the residuals are always the forward's "
+                 "quantized operands)")
+  if "tile_size" in cfg:
+    out["tile_size"] = cfg["tile_size"]
+  qtypes_ = {k: cfg[k] for k in ("dlhs_grad_qtype", "drhs_grad_qtype") if k in cfg}
+  if qtypes_:
+    names = {k: (None if v is None else qtypes.get_qtype(v).name) for k, v in qtypes_.items()}
+    rule_q = None if qt.bwd_qtype is None else qtypes.get_qtype(qt.bwd_qtype).name
+    both = {names.get(k, rule_q) for k in ("dlhs_grad_qtype", "drhs_grad_qtype")}
+    if len(both) > 1:
+      bad.append(f"additional_qt_config {qtypes_!r}: the two backward products with different "
+                 f"gradient qtypes ({sorted(map(str, both))}) are not supported; qtrain's "
+                 "bwd_qtype quantizes both")
+    else:
+      out["bwd_qtype"] = both.pop()
+  for k in ("dlhs_grad_calibration_method", "drhs_grad_calibration_method"):
+    if k in cfg and cfg[k] != qt.bwd_calibration_method:
+      bad.append(f"additional_qt_config[{k!r}]={cfg[k]!r}: a per-product gradient calibration "
+                 f"is not supported; set bwd_calibration_method (it is "
+                 f"{qt.bwd_calibration_method!r})")
+  if "dlhs_tile_size" in cfg:
+    out["bwd_act_grad_tile_size"] = cfg["dlhs_tile_size"]
+  if "drhs_tile_size" in cfg:
+    out["bwd_weight_grad_tile_size"] = cfg["drhs_tile_size"]
+  return out
 
 
 class QtProvider(provider_lib.QtProvider):
@@ -188,6 +248,7 @@ class QtProvider(provider_lib.QtProvider):
       except ValueError as e:
         raise ValueError(f"rules[{i}]: {e}") from None
     super().__init__(converted, rng_stream=rng_stream)
+    self._side = threading.local()  # which operand the running op's activation is
 
   def __repr__(self):
     return f"qtrain.qwix.QtProvider({len(self.rules)} rules, rng_stream={self.rng_stream!r})"
@@ -204,20 +265,110 @@ class QtProvider(provider_lib.QtProvider):
                        "quantize_model with a sample batch (nnx) before get_unused_rules")
     return [self.qwix_rules[i] for i, _ in self.unused_rules()]
 
+  # ------------------------------------------------------------------ static activation scales
+  # qwix's layout and meaning: the statistics of the input of op ``<op id>`` (``lhs`` where the
+  # weight is the second operand) are ``quant_stats/<module path>/<op id>_lhs`` =
+  # ``{"count": int32, "sum_of_absmax": float32 (1,) * ndim}``: the number of calibration batches
+  # and the sum of each batch's calibrated bound (the absmax of each token's values, or ``rms``
+  # times its factor, ..., averaged over the tokens). The scale is ``sum / count / qmax``; before
+  # any calibration batch, each batch's own. nnx keeps them as a ``QuantStat`` on the layer.
+
+  stats_on_owner = True  # nnx: statistics on the layer (``<op id>_lhs``), as qwix keeps them
+
+  def dot_general(self, host, path, op_id, lhs, rhs, dimension_numbers, *args,
+                  weight_operand, **kwargs):
+    side = getattr(self._side, "v", None)
+    self._side.v = "rhs" if weight_operand == 0 else "lhs"
+    try:
+      return super().dot_general(host, path, op_id, lhs, rhs, dimension_numbers, *args,
+                                 weight_operand=weight_operand, **kwargs)
+    finally:
+      self._side.v = side
+
+  def _act_state(self, host, rule, act, contract_axes):
+    if (not rule.act_static_scale or rule.act_learnable_scale or rule.act_learnable_shift
+        or rule.act_static_scale_averaging != "mean"):
+      return super()._act_state(host, rule, act, contract_axes)
+    side = getattr(self._side, "v", None) or "lhs"
+    return act, jax.lax.stop_gradient(self._qwix_static_scale(host, rule, act, contract_axes,
+                                                              side))
+
+  def _qwix_static_scale(self, host, rule, x, contract_axes, side):
+    qt = qtypes.get_qtype(rule.act_qtype)
+    x = jax.lax.stop_gradient(x)
+    contract = {a % x.ndim for a in contract_axes}
+    spec = qarray.QuantizeSpec(qtype=rule.act_qtype,
+                               channelwise_axes=tuple(a for a in range(x.ndim) if a not in contract),
+                               calibration=rule.act_calibration_method,
+                               axis_names=rule.act_axis_names)
+    # Each token's bound (its scale times qmax), averaged over the tokens: one per tensor.
+    cur = jnp.mean(qarray.calibrate(x, spec)[0] * qt.qmax).reshape((1,) * x.ndim)
+    stat = host.stat(side, lambda: {"count": jnp.zeros((), jnp.int32),
+                                    "sum_of_absmax": jnp.zeros(cur.shape, jnp.float32)})
+    count, total = stat["count"], stat["sum_of_absmax"]
+    if tuple(total.shape) != tuple(cur.shape):
+      raise ValueError(f"quant_stats: {side!r} statistics of shape {tuple(total.shape)}, this "
+                       f"input's {tuple(cur.shape)} (qtrain.qwix keeps one per tensor)")
+    if host.calibrating:
+      count, total = count + 1, total + cur
+      host.set_stat(side, {"count": count, "sum_of_absmax": total})
+    bound = jnp.where(count > 0, total / jnp.maximum(count, 1).astype(jnp.float32), cur)
+    return _scale_of_bound(bound.reshape(()), qt)
+
+  def read_static_stats(self, stats: Mapping, op_id: str, rule) -> tuple[dict, list[str]]:
+    """qtrain's static-scale state (``act_static_scale``, ``act_static_count``) of op ``op_id``
+    from its module's statistics in qwix's layout; and the names read (for freezing)."""
+    for side in ("lhs", "rhs"):
+      stat = stats.get(f"{op_id}_{side}")
+      if isinstance(stat, Mapping) and "count" in stat:
+        return static_state_of(stat, rule.act_qtype), [f"{op_id}_{side}"]
+    return {"act_static_scale": None, "act_static_count": None}, []
+
+
+def _scale_of_bound(bound, qt):
+  """The scale of a calibrated bound (``bound / qmax``; an all-zero input's bound gives 1)."""
+  return jnp.where(bound > 0, bound / qt.qmax, 1.0).astype(jnp.float32)
+
+
+def static_state_of(stat: Mapping, act_qtype) -> dict:
+  """``{"act_static_scale", "act_static_count"}`` of one qwix statistics entry
+  ``{"count", "sum_of_absmax"}`` (``count`` 0: scale 0, never calibrated).
+
+  Raises:
+    ValueError: statistics of another calibration (``sum_of_min`` / ``sum_of_max``: qtrain's
+      static scales are symmetric), or malformed ones.
+  """
+  if "sum_of_absmax" not in stat:
+    raise ValueError(f"quant_stats: statistics {sorted(stat)}: qtrain.qwix reads symmetric "
+                     "static scales ({'count', 'sum_of_absmax'}); asymmetric ones (sum_of_min / "
+                     "sum_of_max, act_calibration_method='minmax') are not supported")
+  total = jnp.asarray(stat["sum_of_absmax"], jnp.float32)
+  if total.size != 1:
+    raise ValueError(f"quant_stats: sum_of_absmax of shape {tuple(total.shape)}: qtrain.qwix's "
+                     "static input scale is one per tensor (a per-position scale, qwix's for "
+                     "inputs of rank > 2, is not supported)")
+  count = jnp.asarray(stat["count"])
+  qt = qtypes.get_qtype(act_qtype)
+  scale = jnp.where(count > 0, _scale_of_bound(total.reshape(()) / jnp.maximum(count, 1), qt), 0.0)
+  return {"act_static_scale": scale, "act_static_count": count.astype(jnp.float32)}
+
 
 # ----------------------------------------------------------------------------
-# PTQ: weights quantized once for serving, on qtrain.freeze.
+# PTQ: weights quantized once for serving, on qtrain.freeze, in qwix's params layout.
 
-FROZEN_KEY = "qtrain_frozen"  # where a PTQ params tree keeps its frozen layers
+WithAux = layout.WithAux
+QArray = layout.QArray
 
 
 class PtqProvider:
   """qwix's ``PtqProvider``: weights quantized once, inputs quantized per call, as the rules say.
 
-  Built on :mod:`qtrain.freeze`: each quantized op's weight is stored packed with its scales
-  (the codes the QT op computes from the same weight, so a PTQ model predicts what the QT
-  model's forward predicts) and runs through qtrain's packed kernels on a GPU
-  (``implementation``, see :func:`qtrain.freeze.apply_frozen`).
+  Built on :mod:`qtrain.freeze`: each quantized op's weight is quantized as the QT op quantizes
+  it (the same codes and scales, so a PTQ model predicts what the QT model's forward predicts)
+  and kept in qwix's layout, a :class:`WithAux` of a :class:`QArray` ``(qvalue, scale[,
+  zero_point])`` in the weight's place; each call hands it to qtrain's frozen product (packed on
+  the way: the Triton / Mosaic kernels on a GPU, ``implementation``, see
+  :func:`qtrain.freeze.apply_frozen`).
 
   Args:
     rules: qwix rules, as for :class:`QtProvider` (the backward's fields are not used).
@@ -238,38 +389,116 @@ class PtqProvider:
             f"implementation={self.implementation!r})")
 
 
-@jax.tree_util.register_pytree_with_keys_class
-class _FrozenLayers:
-  """A PTQ params tree's frozen layers; the provider that froze them rides along as static
-  data, so that :func:`quantize_params` can rebuild them from an abstract tree alone."""
+def _act_side(layer: FrozenLayer) -> str:
+  return "lhs" if layer.weight_operand == 1 else "rhs"
 
-  def __init__(self, layers: Mapping[str, FrozenLayer], provider: PtqProvider):
-    self.layers = dict(layers)
-    self.provider = provider
 
-  def tree_flatten_with_keys(self):
-    keys = sorted(self.layers)
-    return [(jax.tree_util.DictKey(k), self.layers[k]) for k in keys], (tuple(keys), self.provider)
+def _check_qwix_layer(layer: FrozenLayer, where: str) -> None:
+  if layer.bias_a is not None or layer.lora is not None:
+    raise ValueError(f"PtqProvider: layer {where!r} keeps a learned input shift or a LoRA "
+                     "adapter, which qwix's PTQ params have no place for: freeze it with "
+                     "qtrain.freeze instead")
 
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    keys, provider = aux
-    return cls(dict(zip(keys, children)), provider)
 
-  def __repr__(self):
-    return f"FrozenLayers({sorted(self.layers)})"
+def _record_of(provider: PtqProvider, path: str, op_id: str):
+  for r in provider.qt.records():
+    if r.path == path and r.op_id == op_id:
+      return r
+  raise ValueError(f"PtqProvider: no record of the op {op_id!r} of {path!r}")  # pragma: no cover
+
+
+def _act_ndim(rec) -> int:
+  shapes = rec.contraction[-2]
+  w_idx = {"lhs": 0, "rhs": 1}[rec.weight_operand]
+  return len(shapes[1 - w_idx])
+
+
+def _weight_how(key: str, layer: FrozenLayer, weight_quant) -> layout.WeightHow:
+  spec = dataclasses.replace(layer, **{f: None for f in _frozen.ARRAY_FIELDS})
+  return layout.WeightHow(key=key, spec=spec, weight_quant=weight_quant)
+
+
+def _get_path(tree, path: tuple):
+  node = tree
+  for p in path:
+    if not isinstance(node, Mapping) or p not in node:
+      return None
+    node = node[p]
+  return node
+
+
+def _qwix_params(frozen: Mapping, boxed: Mapping, provider: PtqProvider) -> dict:
+  """freeze's ``{"layers", "variables"}`` as PTQ params in qwix's layout: each frozen weight a
+  WithAux(QArray) at its parameter's path (boxed as the parameter was), each calibrated static
+  input scale a WithAux at ``<op id>_lhs_scale`` beside it."""
+  params = dict(frozen["variables"].get("params", {}))
+  for key, layer in frozen["layers"].items():
+    path = freeze_lib._layer_path(key, layer)
+    owner = tuple(p for p in path.split("/") if p)
+    _check_qwix_layer(layer, key)
+    rec = _record_of(provider, path, layer.op_id)
+    q = layout.to_qarray(layer)
+    box = _get_path(boxed, owner + (layer.param,))
+    q = QArray(qvalue=layout._rebox(box, q.qvalue), scale=layout._rebox(box, q.scale),
+               zero_point=None if q.zero_point is None else layout._rebox(box, q.zero_point),
+               qtype=q.qtype)
+    leaves = {layer.param: WithAux(q, _weight_how(key, layer,
+                                                  freeze_lib._weight_quant(rec, provider.qt)))}
+    if (layer.act_dict or {}).get("scale") == "given":
+      leaves[f"{layer.op_id}_{_act_side(layer)}_scale"] = WithAux(
+          layout.static_scale_array(layer.scale_a, _act_ndim(rec)),
+          layout.ScaleHow(key=key, qtype=layer.act_dict["qtype"]))
+    for name, leaf in leaves.items():
+      params = freeze_lib._set_in(params, owner + (name,), leaf)
+  return params
+
+
+def _frozen_from_qwix(params: Mapping) -> tuple[dict, dict]:
+  """PTQ params in qwix's layout -> (qtrain's frozen layers by key, the float params left)."""
+  weights, scales = {}, {}
+
+  def walk(node, prefix):
+    out = {}
+    for k, v in node.items():
+      if isinstance(v, WithAux) and isinstance(v.how, layout.WeightHow):
+        weights[v.how.key] = (v, "/".join(prefix + (str(k),)))
+      elif isinstance(v, WithAux) and isinstance(v.how, layout.ScaleHow):
+        scales[v.how.key] = v
+      elif isinstance(v, Mapping):
+        out[k] = walk(v, prefix + (str(k),))
+      else:
+        out[k] = v
+    return out
+
+  rest = walk(params, ())
+  layers = {}
+  for key, (w, where) in weights.items():
+    arr = layout.unbox(w.array)
+    if not isinstance(arr, QArray):
+      raise ValueError(f"PTQ params: {where!r} is a WithAux of {type(arr).__name__}, not of a "
+                       "QArray (qvalue, scale)")
+    s = scales.pop(key, None)
+    spec_scale = (w.how.spec.act_dict or {}).get("scale")
+    if spec_scale == "given" and s is None:
+      raise ValueError(f"PTQ params: layer {key!r} keeps a static input scale, and the params "
+                       "hold none for it (<op id>_lhs_scale)")
+    layers[key] = layout.to_frozen(w.how, arr, None if s is None else layout.unbox(s.array))
+  if scales:
+    raise ValueError(f"PTQ params: static input scales {sorted(scales)} of no quantized weight")
+  return layers, rest
 
 
 class PtqModel:
   """A linen model served from quantized weights (:func:`quantize_model` with a
   :class:`PtqProvider`): ``init`` and ``apply`` as a linen module's.
 
-  ``init`` returns the variables with every quantized op's weight frozen: ``params`` holds the
-  float parameters left (biases, norms, float layers) and, under :data:`FROZEN_KEY`, the frozen
-  layers; ``jax.eval_shape(ptq_model.init, key, x)`` gives the template that
-  :func:`quantize_params` fills from trained float parameters. A rule's static activation
-  scale is a calibrated one here (pass the QT model's ``quant_stats`` to
-  :func:`quantize_params`).
+  ``init``'s ``params`` are qwix's PTQ params: each quantized op's weight is a
+  :class:`WithAux` of a :class:`QArray` ``(qvalue, scale[, zero_point])`` (boxed as the
+  parameter was: ``nn.with_partitioning``'s names on each array), a rule's static input scale a
+  ``WithAux`` under ``<op id>_lhs_scale`` (calibrated on the ``init`` batch, as qwix's), every
+  other parameter as it is. ``jax.eval_shape(ptq_model.init, key, x)`` gives the template that
+  :func:`quantize_params` fills from trained float parameters. ``apply`` hands each weight to
+  qtrain's frozen product (packing its codes); float params raise.
   """
 
   def __init__(self, model, provider: PtqProvider):
@@ -281,121 +510,171 @@ class PtqModel:
 
   def init(self, rngs, *args, method=None, **kwargs) -> dict:
     qt_model = model_lib.quantize_model(self.model, self.provider.qt)
-    variables = qt_model.init(rngs, *args, method=method, **kwargs)
-    if not self.provider.qt.records():  # no op to quantize (rules' warning given): all float
-      return _ptq_variables({"layers": {}, "variables": dict(variables)}, self.provider)
-    return _ptq_variables(freeze_lib._freeze_records(dict(variables), self.provider.qt,
-                                                     static="given"), self.provider)
+    variables = dict(qt_model.init(rngs, *args, method=method, **kwargs))
+    recs = [r for r in self.provider.qt.records() if r.status == provider_lib.QUANTIZED]
+    if not recs:  # no op to quantize (the rules' warning given): all float
+      return variables
+    if any(self.provider.rules[r.rule_index].act_static_scale for r in recs):
+      # qwix's PTQ init calibrates a static input scale on the init batch: so does this one.
+      _, new = qt_model.apply(variables, *args, method=method, mutable=["quant_stats"], **kwargs)
+      variables["quant_stats"] = new["quant_stats"]
+    frozen = freeze_lib._freeze_records(variables, self.provider.qt, static="given")
+    out = dict(frozen["variables"])
+    out["params"] = _qwix_params(frozen, variables["params"], self.provider)
+    return out
 
   def apply(self, variables: Mapping, *args, method=None, **kwargs):
-    return freeze_lib.apply_frozen(self.model, _frozen_of(variables), *args,
+    params = variables.get("params") if isinstance(variables, Mapping) else None
+    if not isinstance(params, Mapping):
+      raise ValueError(f"expected PTQ variables ({{'params': ...}}), got "
+                       f"{type(variables).__name__}")
+    layers, rest = _frozen_from_qwix(nn.unbox(params))
+    if not layers and not self._all_float(variables, args, method, kwargs):
+      raise ValueError("PtqModel.apply: the params hold no quantized weight (WithAux leaves): "
+                       "float params are quantized by quantize_params(params, "
+                       "jax.eval_shape(ptq_model.init, key, x)['params']) first")
+    frozen = {"layers": layers, "variables": {**variables, "params": rest}}
+    return freeze_lib.apply_frozen(self.model, frozen, *args,
                                    implementation=self.provider.implementation, method=method,
                                    **kwargs)
 
-
-def _ptq_variables(frozen: Mapping, provider: PtqProvider) -> dict:
-  """freeze's ``{"layers", "variables"}`` as PTQ variables: the layers inside ``params``."""
-  out = dict(frozen["variables"])
-  out["params"] = {**out.get("params", {}), FROZEN_KEY: _FrozenLayers(frozen["layers"], provider)}
-  return out
-
-
-def _frozen_of(variables: Mapping) -> dict:
-  params = variables.get("params") if isinstance(variables, Mapping) else None
-  if not isinstance(params, Mapping) or not isinstance(params.get(FROZEN_KEY), _FrozenLayers):
-    raise ValueError(f"expected PTQ variables ({{'params': ...}} with the frozen layers under "
-                     f"{FROZEN_KEY!r}: PtqModel.init's or quantize_params' output), got "
-                     f"{type(variables).__name__} with keys "
-                     f"{sorted(variables) if isinstance(variables, Mapping) else None}")
-  rest = {k: v for k, v in params.items() if k != FROZEN_KEY}
-  return {"layers": params[FROZEN_KEY].layers, "variables": {**variables, "params": rest}}
+  def _all_float(self, variables, args, method, kwargs) -> bool:
+    """Whether the rules quantize no op of the model (traced once, costing no compute, where
+    the provider has not seen the model run)."""
+    if not self.provider.qt.records():
+      qt_model = model_lib.quantize_model(self.model, self.provider.qt)
+      jax.eval_shape(lambda v, a, k: qt_model.apply(v, *a, method=method, **k),
+                     variables, args, kwargs)
+    return not any(r.status == provider_lib.QUANTIZED for r in self.provider.qt.records())
 
 
 def quantize_params(params: Mapping, abstract_quantized_params, quant_stats: Mapping | None = None,
                     *, allow_extra_params: bool = False):
-  """qwix's ``quantize_params``: trained float ``params`` -> PTQ params.
+  """qwix's ``quantize_params``: trained float ``params`` -> PTQ params in qwix's layout.
+
+  Each param whose place in the template is a :class:`WithAux` (a quantized weight) is quantized
+  as the template's ``how`` says (the QT op's quantization: the same codes and scales as the
+  trained QT model's forward); every other param is taken as it is. ``params`` may be a
+  subtree of the template (one layer's, say), as in qwix.
 
   Args:
-    params: the float (or QT-trained) model's ``params`` (nnx: a pure dict,
-      ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``). linen also takes the whole
-      variables (``{"params": ...}``) with a template of whole variables.
+    params: the float (or QT-trained) model's params (linen: unboxed or boxed; nnx: a pure dict,
+      ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``). linen also takes whole variables
+      (``{"params": ...}``) with a template of whole variables.
     abstract_quantized_params: linen: the template,
-      ``jax.eval_shape(ptq_model.init, key, x)["params"]`` (or ``ptq_model.init``'s own
-      ``params``, or the whole variables of either). nnx: the PTQ model, ``nnx.eval_shape`` of a
-      function returning
-      ``quantize_model(model, PtqProvider(rules), x)``; the result is its state, for
-      ``nnx.update(model, state)``. (A layer with a static or learned input scale, or a LoRA
-      adapter, is frozen from the trained model with ``quantize_model`` instead: float
-      params do not hold that state.)
-    quant_stats: the QT model's ``quant_stats``; needed where a rule keeps a static
-      activation scale (it must have been calibrated: a QT forward in training mode).
-    allow_extra_params: as in qwix: params the template has no place for (a loss head the
-      served method never calls, say) are dropped instead of raising.
+      ``jax.eval_shape(ptq_model.init, key, x)["params"]`` (or whole variables). nnx: the PTQ
+      model (``nnx.eval_shape`` of a function returning
+      ``quantize_model(model, PtqProvider(rules), x)``); the result is then a pure dict of its
+      state, for ``nnx.update(model, result)``.
+    quant_stats: the QT model's statistics in qwix's layout (linen: its ``quant_stats``; nnx:
+      ``nnx.to_pure_dict(nnx.state(qt_model, qwix.QuantStat))``); each gives the static input
+      scale ``<op id>_lhs_scale`` of its layer (a never-calibrated one, count 0, raises).
+    allow_extra_params: params the template has no place for (a loss head the served method
+      never calls, say) are dropped instead of raising.
 
   Returns:
-    PTQ params, the template's structure, for ``ptq_model.apply({"params": ...}, x)`` (whole
-    variables where whole variables were given).
+    The PTQ params (the structure of ``params``, quantized weights as ``WithAux`` leaves; nnx: a
+    pure dict), plus the static scales ``quant_stats`` gives.
 
   Raises:
-    ValueError: the template is not a PTQ template, a static scale that was never calibrated,
-      a tree that does not match the template (naming the first difference), params the template
-      has no place for (naming them) without ``allow_extra_params``.
+    ValueError: a param the template has no place for (naming it) without
+      ``allow_extra_params``, a shape other than the template's, statistics never calibrated or
+      of no static-scale layer of the template.
   """
   if isinstance(abstract_quantized_params, nnx.Module):
-    if quant_stats is not None:
-      raise ValueError("quantize_params(params, nnx model, quant_stats): static scales of an "
-                       "nnx model are carried over by quantize_model(qt_model, PtqProvider(rules),"
-                       " x) from the trained QT model; pass no quant_stats here")
-    return _quantize_params_nnx(params, abstract_quantized_params, allow_extra_params)
-  # nn.with_partitioning's boxes: a template from eval_shape(ptq_model.init) holds them; the
-  # PTQ params are plain arrays, as in qwix (the boxes' names are the model's to add again).
-  params, abstract_quantized_params = nn.unbox(params), nn.unbox(abstract_quantized_params)
-  if _is_variables_template(abstract_quantized_params):
-    return _quantize_variables(params, abstract_quantized_params, quant_stats, allow_extra_params)
-  node = (abstract_quantized_params.get(FROZEN_KEY)
-          if isinstance(abstract_quantized_params, Mapping) else None)
-  if not isinstance(node, _FrozenLayers):
-    raise ValueError(f"quantize_params: the template holds no frozen layers under {FROZEN_KEY!r}: "
-                     "pass jax.eval_shape(ptq_model.init, key, x)['params'] of a model from "
-                     "qtrain.qwix.quantize_model(model, PtqProvider(rules))")
-  provider = node.provider
-  variables = {"params": dict(params)}
-  if quant_stats is not None:
-    variables["quant_stats"] = quant_stats
-  frozen = freeze_lib._freeze_records(variables, provider.qt, static="count")
-  for key, layer in frozen["layers"].items():
-    want = node.layers.get(key)
-    if want is not None and want.act_dict and want.act_dict.get("scale") == "given" and (
-        layer.act_dict.get("scale") == "batch"):
-      raise ValueError(f"quantize_params: layer {key!r} keeps a static input scale, but "
-                       "quant_stats says it was never calibrated (count 0): run the QT model in "
-                       "training mode on data first, and pass its quant_stats")
-  out = _ptq_variables(frozen, provider)["params"]
-  extra = _extra_paths(out, abstract_quantized_params)
-  if extra and not allow_extra_params:
-    raise ValueError(f"quantize_params: params the template has no place for: {extra[:6]}"
-                     f"{' ...' if len(extra) > 6 else ''}; pass allow_extra_params=True to drop "
-                     "them (params the PTQ model never uses)")
-  out = _prune(out, abstract_quantized_params)
-  got_tree, want_tree = jax.tree.structure(out), jax.tree.structure(abstract_quantized_params)
-  if got_tree != want_tree:
-    got = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(out)}
-    want = {jax.tree_util.keystr(p)
-            for p, _ in jax.tree_util.tree_leaves_with_path(abstract_quantized_params)}
-    raise ValueError("quantize_params: params do not match the template: "
-                     f"missing {sorted(want - got)[:4]}, unexpected {sorted(got - want)[:4]}")
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(out),
-                          jax.tree.leaves(abstract_quantized_params)):
-    if a.shape != b.shape or a.dtype != b.dtype:
-      raise ValueError(f"quantize_params: {jax.tree_util.keystr(path)} is {a.dtype}{a.shape}, "
-                       f"the template's {b.dtype}{b.shape}")
+    return _quantize_params_nnx(params, abstract_quantized_params, quant_stats,
+                                allow_extra_params)
+  params, template = nn.unbox(params), nn.unbox(abstract_quantized_params)
+  if _is_variables_template(template):
+    return _quantize_variables(params, template, quant_stats, allow_extra_params)
+  if not isinstance(params, Mapping) or not isinstance(template, Mapping):
+    raise ValueError("quantize_params: params and the template are nested dicts (linen), or the "
+                     "template is the PTQ nnx model")
+  out: dict = {}
+  extra = []
+
+  def walk(p, t, prefix):
+    for k, v in p.items():
+      where = prefix + (k,)
+      tv = t.get(k) if isinstance(t, Mapping) else None
+      if tv is None:
+        extra.append("/".join(map(str, where)))
+      elif isinstance(v, Mapping) and not isinstance(tv, WithAux):
+        if not isinstance(tv, Mapping):
+          raise ValueError(f"quantize_params: {'/'.join(map(str, where))!r} is a subtree in "
+                           "params and a leaf in the template")
+        walk(v, tv, where)
+      elif isinstance(tv, WithAux) and isinstance(tv.how, layout.WeightHow):
+        q = layout.requantize(tv.how, v, "/".join(map(str, where)))
+        _set_nested(out, where, WithAux(q, tv.how))
+      else:
+        _check_shape(v, tv, where)
+        _set_nested(out, where, v)
+
+  walk(params, template, ())
+  _raise_extra(extra, allow_extra_params)
+  for path, stat in _stat_entries(quant_stats):
+    name = path[-1] + "_scale"
+    tv = _get_path(template, path[:-1] + (name,))
+    if not (isinstance(tv, WithAux) and isinstance(tv.how, layout.ScaleHow)):
+      raise ValueError(f"quantize_params: quant_stats {'/'.join(map(str, path))!r} has no "
+                       f"static input scale {name!r} in the template")
+    _set_nested(out, path[:-1] + (name,), WithAux(_stat_scale(stat, tv, path), tv.how))
   return out
 
 
+def _stat_scale(stat: Mapping, tv: WithAux, path) -> jax.Array:
+  if int(np.asarray(stat["count"])) == 0:
+    raise ValueError(f"quantize_params: quant_stats {'/'.join(map(str, path))!r} was never "
+                     "calibrated (count 0): run the QT model in training mode on data first "
+                     "(linen: apply(..., mutable=['quant_stats']))")
+  scale = static_state_of(stat, tv.how.qtype)["act_static_scale"]
+  return layout.static_scale_array(scale, tv.ndim)
+
+
+def _stat_entries(quant_stats) -> list[tuple[tuple, Mapping]]:
+  """(path, {"count", "sum_of_..."}) of each statistics entry of qwix-layout quant_stats."""
+  out = []
+
+  def walk(node, prefix):
+    node = layout.unbox(node)
+    if isinstance(node, Mapping) and "count" in node and not isinstance(node["count"], Mapping):
+      out.append((prefix, node))
+      return
+    if isinstance(node, Mapping):
+      for k, v in node.items():
+        walk(v, prefix + (k,))
+  if quant_stats:
+    walk(quant_stats, ())
+  return out
+
+
+def _set_nested(tree: dict, path: tuple, value) -> None:
+  node = tree
+  for p in path[:-1]:
+    node = node.setdefault(p, {})
+  node[path[-1]] = value
+
+
+def _check_shape(value, template, where) -> None:
+  shape = getattr(template, "shape", None)
+  if shape is not None and tuple(np.shape(value)) != tuple(shape):
+    raise ValueError(f"quantize_params: {'/'.join(map(str, where))!r} has shape "
+                     f"{tuple(np.shape(value))}, the template's {tuple(shape)}")
+
+
+def _raise_extra(extra: list, allow: bool) -> None:
+  if extra and not allow:
+    raise ValueError(f"quantize_params: params the template has no place for: {extra[:6]}"
+                     f"{' ...' if len(extra) > 6 else ''}; pass allow_extra_params=True to drop "
+                     "them (params the PTQ model never uses)")
+
+
 def _is_variables_template(template) -> bool:
-  """Whether ``template`` is whole PTQ variables (``{"params": {..., FROZEN_KEY: ...}, ...}``)."""
-  return (isinstance(template, Mapping) and FROZEN_KEY not in template
-          and isinstance(template.get("params"), Mapping) and FROZEN_KEY in template["params"])
+  """Whether ``template`` is whole PTQ variables (``{"params": {...}, ...}``)."""
+  return (isinstance(template, Mapping) and isinstance(template.get("params"), Mapping)
+          and layout.tree_has_quantized(template["params"])
+          and not layout.tree_has_quantized({k: v for k, v in template.items() if k != "params"}))
 
 
 def _quantize_variables(variables, template: Mapping, quant_stats, allow_extra_params: bool) -> dict:
@@ -406,100 +685,150 @@ def _quantize_variables(variables, template: Mapping, quant_stats, allow_extra_p
                      "params must be too; got "
                      f"{sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__}")
   missing = [c for c in template if c != "params" and c not in variables]
-  extra = [c for c in variables if c not in template]
+  extra = [c for c in variables if c not in template and c != "quant_stats"]
   if missing:
     raise ValueError(f"quantize_params: the variables lack the template's collections {missing}")
   if extra and not allow_extra_params:
     raise ValueError(f"quantize_params: collections the template has no place for: {extra}; pass "
                      "allow_extra_params=True to drop them")
   out = {c: variables[c] for c in template if c != "params"}
+  if quant_stats is None and "quant_stats" not in template:
+    quant_stats = variables.get("quant_stats")
   out["params"] = quantize_params(variables["params"], template["params"], quant_stats,
                                   allow_extra_params=allow_extra_params)
   return out
 
 
-def _extra_paths(tree: Mapping, template: Mapping, prefix: str = "") -> list[str]:
-  """The '/'-joined paths of ``tree``'s entries that ``template`` has no key for."""
-  out = []
-  for k, v in tree.items():
-    if k == FROZEN_KEY:
-      continue
-    if k not in template:
-      out.append(f"{prefix}{k}")
-    elif isinstance(v, Mapping) and isinstance(template[k], Mapping):
-      out += _extra_paths(v, template[k], f"{prefix}{k}/")
-  return out
+# ---------------------------------------------------------------------------- nnx
 
 
-def _prune(tree: Mapping, template: Mapping) -> dict:
-  """``tree`` without the entries ``template`` has no key for."""
-  return {k: (_prune(v, template[k]) if k != FROZEN_KEY and isinstance(v, Mapping)
-              and isinstance(template[k], Mapping) else v)
-          for k, v in tree.items() if k in template}
+def _promote_dtype_keep_quantized(args, *, dtype=None, inexact=True):
+  """nnx layers' ``promote_dtype`` with a PTQ weight (a QArray) passed through as it is."""
+  from flax.nnx.nn import dtypes as nnx_dtypes
+  floats = [None if isinstance(a, (QArray, WithAux)) else a for a in args]
+  out = nnx_dtypes.promote_dtype(floats, dtype=dtype, inexact=inexact)
+  return type(args)(a if o is None else o for a, o in zip(args, out))
 
 
-def _lookup(tree, path: tuple, what: str):
-  node = tree
-  for part in path:
-    if isinstance(node, Mapping):
-      key = part if part in node else (int(part) if str(part).isdigit() and int(part) in node
-                                       else None)
-      if key is not None:
-        node = node[key]
-        continue
-    raise ValueError(f"quantize_params: params hold no {'/'.join(map(str, path))!r} ({what}); "
-                     "pass the float model's nnx.to_pure_dict(nnx.state(model, nnx.Param))")
-  return node
+class PtqOp(nnx.Module):
+  """The op of an nnx layer of a PTQ model: its weight (qwix's :class:`QArray`, which the layer
+  reads from its ``WithAux`` and passes in) rebuilt as qtrain's frozen layer for the product.
+
+  Attributes:
+    how: the weight's :class:`qtrain._qwix.layout.WeightHow` (static).
+    path, op_name: the layer's module path and op.
+    implementation: where the products run (:func:`qtrain.freeze.apply_frozen`).
+    scale_name: the layer's attribute holding the static input scale, or None.
+  """
+
+  def __init__(self, how: layout.WeightHow, *, path: str, op_name: str, implementation: str,
+               owner=None, scale_name: str | None = None):
+    self.how = freeze_lib._static(how)
+    self.path = path
+    self.op_name = op_name
+    self.implementation = _frozen.check_implementation(implementation)
+    self.scale_name = scale_name
+    if scale_name is not None:
+      self.owner = freeze_lib._data(owner)
+
+  def _layer(self, weight) -> FrozenLayer:
+    if isinstance(weight, WithAux):
+      weight = weight.value
+    if not isinstance(weight, QArray):
+      raise ValueError(f"PTQ layer {self.path or '<root>'!r}: its weight is a "
+                       f"{type(weight).__name__}, not qwix's QArray (qvalue, scale): load PTQ "
+                       "params (quantize_params / process_prequantized_params) into it")
+    scale = None
+    if self.scale_name is not None:
+      scale = layout.unbox(getattr(self.owner, self.scale_name).array)
+    return layout.to_frozen(self.how, weight, scale)
+
+  def __call__(self, *args, **kwargs):
+    if kwargs.pop("out_sharding", None) is not None:
+      raise NotImplementedError(f"PTQ layer {self.path!r}: out_sharding is not supported")
+    spec = self.how.spec
+    stand_in = freeze_lib.Placeholder(spec.kernel_shape, spec.param_dtype)[...]
+    where = self.path or "<root>"
+    if self.op_name == "dot_general":
+      lhs, rhs, dn, *rest = args
+      kwargs.pop("precision", None)
+      if rest:
+        rest = rest[1:]  # precision: a product of quantized values has the QT op's own
+      return _frozen.dot_general(self._layer(rhs), lhs, stand_in, dn, *rest, weight_operand=1,
+                                 implementation=self.implementation, where=where, **kwargs)
+    if self.op_name == "einsum":
+      subscripts, lhs, rhs = args
+      return _frozen.einsum(self._layer(rhs), subscripts, (lhs, stand_in), kwargs,
+                            weight_operand=1, implementation=self.implementation, where=where)
+    lhs, rhs, *rest = args
+    return _frozen.conv_general_dilated(self._layer(rhs), lhs, stand_in, *rest, **kwargs,
+                                        implementation=self.implementation, where=where)
 
 
-def _leaf_paths(tree, prefix: tuple = ()) -> list[tuple[str, ...]]:
-  if not isinstance(tree, Mapping):
-    return [prefix]
-  return [p for k, v in tree.items() for p in _leaf_paths(v, prefix + (str(k),))]
+def _sharded_like(value, var, ref=None):
+  """``value`` placed as the parameter ``var``'s names say on ``ref``'s (or ``var``'s) mesh."""
+  if isinstance(value, jax.core.Tracer):
+    return value
+  names = getattr(var, "sharding_names", None) if isinstance(var, nnx.Variable) else None
+  src = ref if ref is not None else (var.get_value() if isinstance(var, nnx.Variable) else None)
+  sharding = getattr(src, "sharding", None)
+  if names is None or not isinstance(sharding, jax.sharding.NamedSharding) or isinstance(
+      sharding.mesh, jax.sharding.AbstractMesh):
+    return value
+  spec = []
+  for ax, name in enumerate(tuple(names) + (None,) * (value.ndim - len(names))):
+    size = 1 if name is None else int(np.prod([sharding.mesh.shape[n] for n in
+                                              ((name,) if isinstance(name, str) else name)]))
+    spec.append(name if value.shape[ax] % size == 0 else None)
+  return jax.device_put(value, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec)))
 
 
-def _quantize_params_nnx(params: Mapping, model, allow_extra_params: bool = False) -> nnx.State:
-  """The state of the PTQ nnx ``model`` (abstract: ``nnx.eval_shape``) filled from float
-  ``params`` (a pure dict): each frozen op's weight quantized and packed as freezing does, every
-  other value taken as it is. For ``nnx.update(model, state)``."""
-  state = nnx.state(model)
-  pure = nnx.to_pure_dict(state)
-  frozen_paths = {}
-  used = set()
-  for path, _, attr, op in freeze_lib._nnx_hooks(model, freeze_lib.FrozenOp):
-    owner = tuple(p for p in path.split("/") if p) if path else ()
-    name = op.spec.param
-    used.add(owner + (name,))
-    kernel = _lookup(params, owner + (name,), f"the weight of {'/'.join(owner) or 'the root'!r}")
-    try:
-      layer = op.refreeze(kernel)
-    except ValueError as e:
-      raise ValueError(f"quantize_params: {e}; for such layers use quantize_model(trained_model, "
-                       "PtqProvider(rules), x)") from None
-    for f in _frozen.ARRAY_FIELDS:
-      if getattr(layer, f) is not None:
-        frozen_paths[owner + (attr, f)] = getattr(layer, f)
+def _wrap_like(var, value):
+  """``value`` as a Variable of ``var``'s type and metadata (a plain Param where ``var`` is not
+  a Variable)."""
+  if isinstance(var, nnx.Variable):
+    return var.replace(_sharded_like(value, var))
+  return nnx.Param(value)
 
-  def fill(node, prefix):
-    if isinstance(node, Mapping):
-      return {k: fill(v, prefix + (str(k),)) for k, v in node.items()}
-    if prefix in frozen_paths:
-      return frozen_paths[prefix]
-    used.add(prefix)
-    value = jnp.asarray(_lookup(params, prefix, "a parameter of the PTQ model"))
-    if value.shape != node.shape:
-      raise ValueError(f"quantize_params: {'/'.join(prefix)!r} has shape {value.shape}, the "
-                       f"template's {node.shape}")
-    return value.astype(node.dtype)
 
-  filled = fill(pure, ())
-  extra = ["/".join(p) for p in _leaf_paths(params) if p not in used]
-  if extra and not allow_extra_params:
-    raise ValueError(f"quantize_params: params the PTQ model has no place for: {extra[:6]}"
-                     f"{' ...' if len(extra) > 6 else ''}; pass allow_extra_params=True to drop "
-                     "them (params the PTQ model never uses)")
-  nnx.replace_by_pure_dict(state, filled)
-  return state
+def _to_qwix_nnx(frozen, source, provider: PtqProvider):
+  """A frozen nnx model (FrozenOps) in qwix's layout: each frozen weight a WithAux(QArray of
+  Params, with the parameter's metadata) in the parameter's place, the layer's op a
+  :class:`PtqOp`, a calibrated static input scale a WithAux at ``<op id>_lhs_scale``."""
+  nodes = {"/".join(str(p) for p in path): node for path, node in nnx.iter_graph(source)
+           if isinstance(node, nnx.Module)}
+  for path, node, attr, fop in freeze_lib._nnx_hooks(frozen, freeze_lib.FrozenOp):
+    layer = fop.layer
+    _check_qwix_layer(layer, path or "<root>")
+    orig = vars(nodes[path]).get(layer.param)
+    q = layout.to_qarray(layer)
+    wrapped = QArray(qvalue=_wrap_like(orig, q.qvalue), scale=_wrap_like(orig, q.scale),
+                     zero_point=None if q.zero_point is None else _wrap_like(orig, q.zero_point),
+                     qtype=q.qtype)
+    how = _weight_how(path, layer, fop.weight_quant)
+    scale_name = None
+    if (layer.act_dict or {}).get("scale") == "given":
+      scale_name = f"{layer.op_id}_{_act_side(layer)}_scale"
+      setattr(node, scale_name, freeze_lib._data(WithAux(
+          nnx.Param(layout.static_scale_array(layer.scale_a, _nnx_act_ndim(source, fop))),
+          layout.ScaleHow(key=path, qtype=layer.act_dict["qtype"]))))
+    setattr(node, layer.param, freeze_lib._data(WithAux(wrapped, how)))
+    op = PtqOp(how, path=fop.path, op_name=fop.op_name, implementation=provider.implementation,
+               owner=node, scale_name=scale_name)
+    setattr(node, attr, freeze_lib._data(op))
+    if "promote_dtype" in vars(node):
+      node.promote_dtype = _promote_dtype_keep_quantized
+  return frozen
+
+
+def _nnx_act_ndim(source, fop) -> int:
+  """The rank of a frozen op's input, from the record of the QT op it was frozen from."""
+  for _, node in nnx.iter_graph(source):
+    if isinstance(node, model_lib.QtOp) and node.path == fop.path:
+      for r in node.provider.records():
+        if r.path == fop.path and r.op_id == node.op_id and r.contraction is not None:
+          return _act_ndim(r)
+  return 2
 
 
 def _ptq_nnx(model, provider: PtqProvider, model_inputs, kwargs):
@@ -519,18 +848,87 @@ def _ptq_nnx(model, provider: PtqProvider, model_inputs, kwargs):
       probe = nnx.clone(model)
       model_lib.set_calibrate(probe, False)
       probe(*model_inputs, **kwargs)
-    frozen = freeze_lib.freeze(model)
+    source = model
   else:
     if not model_inputs and not kwargs:
       raise ValueError("quantize_model(nnx model, PtqProvider(rules)): pass a sample batch "
                        "(quantize_model(model, provider, x)): the ops must run once to be frozen")
-    qt_model = model_lib.quantize_model(nnx.clone(model), provider.qt, *model_inputs, **kwargs)
+    source = model_lib.quantize_model(nnx.clone(model), provider.qt, *model_inputs, **kwargs)
     if not any(r.status == provider_lib.QUANTIZED for r in provider.qt.records()):
       return nnx.clone(model)  # no op quantized (the rules' warning says so): nothing to freeze
-    frozen = freeze_lib.freeze(qt_model)
-  for _, _, _, op in freeze_lib._nnx_hooks(frozen, freeze_lib.FrozenOp):
-    op.implementation = provider.implementation
-  return frozen
+  return _to_qwix_nnx(freeze_lib.freeze(source), source, provider)
+
+
+def _ptq_ops(model):
+  """(owner path tuple, owner, op) of every PtqOp of an nnx PTQ model."""
+  return [(tuple(p for p in path.split("/") if p), node, op)
+          for path, node, _, op in freeze_lib._nnx_hooks(model, PtqOp)]
+
+
+def _quantize_params_nnx(params: Mapping, model, quant_stats, allow_extra_params: bool) -> dict:
+  """The state of the PTQ nnx ``model`` (possibly abstract) filled from float ``params`` (a pure
+  dict): each PTQ weight quantized as its ``how`` says, static input scales from qwix-layout
+  ``quant_stats``, every other value taken as it is. A pure dict, for ``nnx.update``."""
+  flat = {tuple(map(str, k)): v for k, v in nnx.to_flat_state(nnx.state(model))}
+  out: dict = {}
+  weights = {}
+  for owner, node, op in _ptq_ops(model):
+    spec = op.how.spec
+    weights[owner + (spec.param,)] = (node, op)
+  extra = []
+  for path, value in _flat_params(params):
+    where = "/".join(map(str, path))
+    key = tuple(path)
+    if tuple(map(str, key)) in weights:
+      node, op = weights[tuple(map(str, key))]
+      q = layout.requantize(op.how, value, where)
+      box = getattr(node, op.how.spec.param).array
+      for f in ("qvalue", "scale", "zero_point"):
+        a = getattr(q, f)
+        if a is None:
+          continue
+        var = getattr(box, f)
+        if var is None:
+          raise ValueError(f"quantize_params: {where!r}: the template's weight has no {f}")
+        _set_nested(out, key + ("array", f), _sharded_like(a, var, value))
+      continue
+    var = flat.get(tuple(map(str, key)))
+    if var is None:
+      extra.append(where)
+      continue
+    _check_shape(value, var.get_value(), path)
+    _set_nested(out, key, jnp.asarray(value).astype(var.get_value().dtype))
+  _raise_extra(extra, allow_extra_params)
+  stats = {tuple(p): s for p, s in _stat_entries(quant_stats)}
+  for owner, node, op in _ptq_ops(model):
+    if op.scale_name is None:
+      continue
+    stat_path = owner + (op.scale_name[:-len("_scale")],)
+    stat = stats.pop(stat_path, None)
+    if stat is None:
+      raise ValueError(f"quantize_params: layer {'/'.join(owner) or '<root>'!r} keeps a static "
+                       f"input scale: pass the QT model's quant_stats "
+                       f"(nnx.to_pure_dict(nnx.state(qt_model, qwix.QuantStat))), which hold "
+                       f"{'/'.join(stat_path)!r}")
+    tv = getattr(node, op.scale_name)
+    _set_nested(out, owner + (op.scale_name, "array"), _stat_scale(stat, tv, stat_path))
+  if stats:
+    raise ValueError(f"quantize_params: quant_stats {sorted('/'.join(map(str, p)) for p in stats)}"
+                     " belong to no static-scale layer of the PTQ model")
+  return out
+
+
+def _flat_params(params, prefix=()):
+  """(path, leaf) of a pure dict of params (Variables unboxed)."""
+  out = []
+  if isinstance(params, nnx.State):
+    params = nnx.to_pure_dict(params)
+  for k, v in params.items():
+    if isinstance(v, Mapping):
+      out += _flat_params(v, prefix + (k,))
+    else:
+      out.append((prefix + (k,), layout.unbox(v)))
+  return out
 
 
 def quantize_model(model, provider: provider_lib.QtProvider | PtqProvider, *model_inputs: Any,
@@ -684,63 +1082,128 @@ def _dequantize_leaf(leaf: Mapping, path: str) -> jax.Array:
   return x * _broadcast_groups(jnp.asarray(leaf["scale"], jnp.float32), q.shape, "scale", path)
 
 
+def dequantize(array: QArray) -> jax.Array:
+  """qwix's ``qarray.dequantize``: ``(qvalue - zero_point) * scale`` (each repeated over its
+  tiles), in the scale's dtype."""
+  q = jnp.asarray(layout.unbox(array.qvalue))
+  scale = jnp.asarray(layout.unbox(array.scale))
+  x = q.astype(scale.dtype)
+  if array.zero_point is not None:
+    x = x - _broadcast_groups(jnp.asarray(layout.unbox(array.zero_point)).astype(scale.dtype),
+                              q.shape, "zero_point", "QArray")
+  return x * _broadcast_groups(scale, q.shape, "scale", "QArray")
+
+
+def _template_leaves(model) -> dict[tuple, Any]:
+  """path -> Variable of an nnx model's state (a PTQ weight's arrays under
+  ``<param>/array/{qvalue, scale[, zero_point]}``)."""
+  return {tuple(k): v for k, v in nnx.to_flat_state(nnx.state(model))}
+
+
+def _place(value, var, path: str, *, allow_broadcast: bool = False) -> jax.Array:
+  """A checkpoint array as the template Variable ``var``'s: its dtype, shape (a scale or zero
+  point may be given per tile of a finer one: repeated) and sharding."""
+  want = var.get_value() if isinstance(var, nnx.Variable) else var
+  value = jnp.asarray(value)
+  if tuple(value.shape) != tuple(want.shape):
+    if not allow_broadcast:
+      raise ValueError(f"process_prequantized_params: {path!r} has shape {tuple(value.shape)}, "
+                       f"the model's {tuple(want.shape)}")
+    if value.ndim != len(want.shape) or any(w % g for g, w in zip(value.shape, want.shape)):
+      raise ValueError(f"process_prequantized_params: {path!r} has shape {tuple(value.shape)}, "
+                       f"which does not tile the model's {tuple(want.shape)}")
+    value = _broadcast_groups(value, tuple(want.shape), "value", path)
+  value = value.astype(want.dtype)
+  sharding = _concrete_sharding(getattr(want, "sharding", None), path)
+  if sharding is not None and not isinstance(value, jax.core.Tracer):
+    value = jax.device_put(value, sharding)
+  return value
+
+
+def _check_prequantized(leaf: Mapping, path: str) -> None:
+  unsupported = sorted(set(leaf) - set(_PREQUANTIZED_KEYS))
+  if unsupported:
+    raise ValueError(f"process_prequantized_params: {path!r} has unsupported quantized leaves "
+                     f"{unsupported}; a pre-quantized weight holds {list(_PREQUANTIZED_KEYS)} "
+                     "(zero_point optional)")
+  missing = [k for k in ("qvalue", "scale") if k not in leaf]
+  if missing:
+    raise ValueError(f"process_prequantized_params: {path!r} is missing {missing} (a "
+                     f"pre-quantized weight holds qvalue, scale and optionally zero_point; found "
+                     f"{sorted(leaf)})")
+
+
 def process_prequantized_params(checkpoint_params: Mapping, template_params, *,
                                 allow_extra_params: bool = False) -> dict:
-  """qwix's ``process_prequantized_params`` for float and QT nnx models: a pre-quantized
-  checkpoint dequantized into the model's float parameters, for ``nnx.update``.
+  """qwix's ``process_prequantized_params``: a checkpoint (a nested dict of arrays at nnx state
+  paths, a pre-quantized weight a ``{"qvalue", "scale"[, "zero_point"]}`` dict, optionally
+  under ``"array"``) into the nnx model's parameters, as a pure dict for ``nnx.update``.
 
-  A ``{"qvalue", "scale"[, "zero_point"]}`` leaf (under its weight's path, optionally under
-  ``"array"``) becomes ``(qvalue - zero_point) * scale`` (``scale`` and ``zero_point`` one value
-  per tile of each axis, repeated over the tile); a float leaf is taken as it is. Each result
-  has the template parameter's dtype and sharding (an abstract mesh's on the mesh of
-  ``jax.set_mesh``). Fine-tuning a QT model from a checkpoint quantized elsewhere starts here.
+  Per checkpoint entry, by what the template holds at its path:
+
+  * a quantized weight (a PTQ model's ``WithAux(QArray)``, or a ``{"array": {"qvalue",
+    "scale"}}`` of Variables a user put in the model): the arrays, in the template's dtypes,
+    shapes (a scale or zero point per tile of a finer template one is repeated) and shardings,
+    at ``<param>/array/<name>``;
+  * a float parameter: a pre-quantized weight is dequantized into it (``(qvalue - zero_point) *
+    scale``), a float one cast; in the parameter's dtype and sharding (an abstract mesh's on the
+    mesh of ``jax.set_mesh``).
 
   Args:
     checkpoint_params: the checkpoint's tree (nnx state paths, no ``.value``).
-    template_params: the nnx model (a float or :class:`QtProvider`-quantized one), possibly
-      abstract (``nnx.eval_shape``).
-    allow_extra_params: drop checkpoint leaves the model has no parameter for (else they raise).
-
-  Returns:
-    A pure dict of the model's paths that the checkpoint holds.
+    template_params: the nnx model (float, QT or PTQ), possibly abstract (``nnx.eval_shape``).
+    allow_extra_params: drop checkpoint entries the model has no place for (else they raise).
 
   Raises:
     TypeError: the template is not an nnx model.
-    ValueError: a leaf the model has no parameter for, a malformed pre-quantized leaf, a shape
-      other than the parameter's, a float leaf for a frozen (PTQ) weight, or a PTQ template: a
-      qtrain PTQ model keeps qtrain's packed layout, not qwix's ``qvalue`` / ``scale``.
+    ValueError: an entry the model has no place for (naming it), a float entry for a quantized
+      weight, a malformed pre-quantized entry (missing ``scale``, unsupported keys), a zero point
+      where the template's weight has none (or none where it has one), a shape other than the
+      template's.
   """
   if not isinstance(template_params, nnx.Module):
     raise TypeError("process_prequantized_params takes NNX models (an nnx.Module, possibly from "
                     f"nnx.eval_shape); got {type(template_params).__name__}")
-  if freeze_lib._nnx_hooks(template_params, freeze_lib.FrozenOp):
-    raise ValueError("process_prequantized_params: the template is a PTQ model (frozen ops): "
-                     "qtrain's PTQ state is its packed layout, not qwix's qvalue / scale; load "
-                     "the checkpoint into the float (or QT) model, then freeze it with "
-                     "qwix.quantize_model(model, qwix.PtqProvider(rules), x)")
-  params = dict(nnx.to_flat_state(nnx.state(template_params, nnx.Param)))
+  leaves = _template_leaves(template_params)
+  prefixes = {p[:i] for p in leaves for i in range(1, len(p))}
   out: dict = {}
   for path, leaf in _flatten_checkpoint(checkpoint_params).items():
-    if path and path[-1] == "array" and isinstance(leaf, Mapping):
-      path = path[:-1]
     name = "/".join(map(str, path))
-    var = params.get(path)
-    if var is None:
-      if allow_extra_params:
+    base = path[:-1] if path and path[-1] == "array" else path
+    quantized = (base + ("array", "qvalue")) in leaves
+    if isinstance(leaf, Mapping):
+      _check_prequantized(leaf, name)
+      if quantized:
+        for f in _PREQUANTIZED_KEYS:
+          var = leaves.get(base + ("array", f))
+          if f in leaf and leaf[f] is not None and var is None:
+            raise ValueError(f"process_prequantized_params: {name!r} has an unexpected {f!r}: "
+                             "the model's weight is quantized without one (symmetric)")
+          if var is not None and (f not in leaf or leaf[f] is None):
+            raise ValueError(f"process_prequantized_params: {name!r} is missing {f!r}, which "
+                             "the model's weight has")
+          if var is not None:
+            _set_nested(out, base + ("array", f),
+                        _place(leaf[f], var, f"{name}/{f}", allow_broadcast=f != "qvalue"))
         continue
-      raise ValueError(f"process_prequantized_params: the model has no parameter {name!r} "
-                       "(extra in the checkpoint); pass allow_extra_params=True to drop it")
-    want = var.get_value()
-    value = _dequantize_leaf(leaf, name) if isinstance(leaf, Mapping) else jnp.asarray(leaf)
-    if tuple(value.shape) != tuple(want.shape):
-      raise ValueError(f"process_prequantized_params: {name!r} has shape {tuple(value.shape)}, "
-                       f"the model's parameter {tuple(want.shape)}")
-    value = value.astype(want.dtype)
-    sharding = _concrete_sharding(getattr(want, "sharding", None), name)
-    if sharding is not None:
-      value = jax.device_put(value, sharding)
-    node = out
-    for p in path[:-1]:
-      node = node.setdefault(p, {})
-    node[path[-1]] = value
+      target = path if path in leaves else base
+      var = leaves.get(target)
+      if var is None:
+        if not allow_extra_params:
+          raise ValueError(f"process_prequantized_params: the model has no parameter {name!r} "
+                           "(extra in the checkpoint); pass allow_extra_params=True to drop it")
+        continue
+      _set_nested(out, target, _place(_dequantize_leaf(leaf, name), var, name))
+      continue
+    if quantized or path in prefixes:
+      raise ValueError(f"Unhandled or invalid parameter combination for {name!r}: the checkpoint "
+                       f"holds a float array ({type(leaf).__name__}) where the model keeps a "
+                       "quantized weight; pass {'qvalue', 'scale'[, 'zero_point']} for it")
+    var = leaves.get(path)
+    if var is None:
+      if not allow_extra_params:
+        raise ValueError(f"process_prequantized_params: the model has no parameter {name!r} "
+                         "(extra in the checkpoint); pass allow_extra_params=True to drop it")
+      continue
+    _set_nested(out, path, _place(leaf, var, name))
   return out

@@ -220,8 +220,9 @@ def _trained_qt(rules, x, steps=3):
 def test_linen_ptq_from_a_qt_model_predicts_what_its_forward_does(static):
   """qwix's PTQ flow: template from eval_shape(ptq_model.init), quantize_params(QT params,
   template, quant_stats), ptq_model.apply: the QT model's forward, bit for bit op by op on the
-  XLA path (the frozen codes are the QT op's codes of the same weights); the quantized weights
-  are stored packed, no float kernel is left."""
+  XLA path (the codes are the QT op's codes of the same weights). The params are qwix's layout:
+  each kernel a WithAux(QArray(qvalue, scale)), each static input scale a WithAux at
+  <op id>_lhs_scale (sum_of_absmax / count / qmax of the QT model's quant_stats)."""
   rules = [qwix.QuantizationRule(module_path=".*", weight_qtype="int4", act_qtype="int8",
                                  act_static_scale=static)]
   x = jax.random.normal(jax.random.key(0), (8, 16), jnp.float32)
@@ -231,10 +232,21 @@ def test_linen_ptq_from_a_qt_model_predicts_what_its_forward_does(static):
   params = qwix.quantize_params(v["params"], abstract["params"],
                                 v.get("quant_stats") if static else None)
   assert jax.tree.structure(params) == jax.tree.structure(abstract["params"])
-  assert "kernel" not in params["hidden"] and "kernel" not in params["out"]
-  layers = params[qwix.FROZEN_KEY].layers
-  assert sorted(layers) == ["hidden", "out"] and layers["hidden"].words.dtype == jnp.uint32
-  assert layers["hidden"].words.size * 4 == 16 * 32 // 2  # int4: two codes a byte
+  w = params["hidden"]["kernel"]
+  assert isinstance(w, qwix.WithAux) and isinstance(w.array, qwix.QArray)
+  assert w.array.qvalue.dtype == jnp.int4 and w.array.qvalue.shape == (16, 32)
+  assert w.array.scale.shape == (1, 32) and w.array.zero_point is None
+  np.testing.assert_allclose(np.asarray(qwix.dequantize(w.array)),
+                             np.asarray(v["params"]["hidden"]["kernel"]),
+                             atol=float(np.abs(v["params"]["hidden"]["kernel"]).max()) / 7 / 2 + 1e-6)
+  if static:
+    stat = v["quant_stats"]["hidden"]["dot_general0_lhs"]
+    s = params["hidden"]["dot_general0_lhs_scale"]
+    assert isinstance(s, qwix.WithAux) and s.array.shape == (1, 1)
+    np.testing.assert_allclose(np.asarray(s.array).reshape(()),
+                               np.asarray(stat["sum_of_absmax"]).reshape(()) / float(stat["count"]) / 127, rtol=1e-6)
+  else:
+    assert "dot_general0_lhs_scale" not in params["hidden"]
   want = np.asarray(qt.apply(v, x))
   np.testing.assert_array_equal(np.asarray(ptq.apply({"params": params}, x)), want)
   assert not np.array_equal(want, np.asarray(_Mlp().apply({"params": v["params"]}, x)))
@@ -264,22 +276,25 @@ def test_linen_ptq_errors_name_what_is_wrong():
   v = qt.init(jax.random.key(1), x)  # static scales never calibrated (count 0)
   ptq = qwix.quantize_model(_Mlp(), qwix.PtqProvider(rules))
   abstract = jax.eval_shape(ptq.init, jax.random.key(0), x)["params"]
-  with pytest.raises(ValueError, match="'hidden' keeps a static input scale.*never calibrated"):
+  with pytest.raises(ValueError, match="'hidden/dot_general0_lhs' was never calibrated"):
     qwix.quantize_params(v["params"], abstract, v["quant_stats"])
-  with pytest.raises(ValueError, match="quant_stats"):
-    qwix.quantize_params(v["params"], abstract)
-  with pytest.raises(ValueError, match="no frozen layers under 'qtrain_frozen'"):
-    qwix.quantize_params(v["params"], v["params"])
   other = qwix.quantize_model(nn.Dense(4, name="out"), qwix.QtProvider(rules))
-  with pytest.raises(ValueError, match="'hidden .*'.*hold no params"):
+  with pytest.raises(ValueError, match=r"no place for: \['bias', 'kernel'\]"):
     qwix.quantize_params(other.init(jax.random.key(0), x)["params"], abstract)
   narrow = qwix.quantize_model(_Mlp(), qwix.QtProvider(rules)).init(jax.random.key(0), x[:, :8])
-  with pytest.raises(ValueError, match=r"'hidden .*'.*weight's shape \(16, 32\).*\(8, 32\)"):
+  with pytest.raises(ValueError, match=r"'hidden/kernel' has shape \(8, 32\), the template's "
+                                       r"\(16, 32\)"):
     qwix.quantize_params(narrow["params"], abstract)
   extra = {**v["params"], "head": {"kernel": jnp.ones((4, 2))}}
-  with pytest.raises(ValueError, match=r"no place for.*'head'"):
+  with pytest.raises(ValueError, match=r"no place for: \['head'\]"):
     qwix.quantize_params(extra, abstract, jax.tree.map(jnp.ones_like, v["quant_stats"]))
-  with pytest.raises(ValueError, match="PTQ variables"):
+  with pytest.raises(ValueError, match="no static input scale 'dot_general0_rhs_scale'"):
+    qwix.quantize_params(v["params"], abstract, {"hidden": {"dot_general0_rhs": {
+        "count": 1, "sum_of_absmax": jnp.ones((1, 1))}}})
+  with pytest.raises(ValueError, match="asymmetric ones.*not supported"):
+    qwix.quantize_params(v["params"], abstract, {"hidden": {"dot_general0_lhs": {
+        "count": 1, "sum_of_min": jnp.ones((1, 1)), "sum_of_max": jnp.ones((1, 1))}}})
+  with pytest.raises(ValueError, match="hold no quantized weight"):
     ptq.apply(v, x)
   with pytest.raises(ValueError, match="sample inputs here"):
     qwix.quantize_model(_Mlp(), qwix.PtqProvider(rules), x)
@@ -316,8 +331,7 @@ def test_nnx_ptq_from_qt_and_float_models_predicts_what_the_qt_forward_does():
   other = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8", act_qtype="int8")]
   with pytest.raises(ValueError, match="other rules"):
     qwix.quantize_model(qm, qwix.PtqProvider(other), x)
-  with pytest.raises(ValueError, match=r"params hold no 'hidden/kernel'"):
-    qwix.quantize_params({}, ptq)
+  assert qwix.quantize_params({}, ptq) == {}  # a subtree of the params: here none
 
 
 def test_nnx_ptq_from_an_abstract_model_and_float_params():
@@ -329,8 +343,10 @@ def test_nnx_ptq_from_an_abstract_model_and_float_params():
   create = lambda: qwix.quantize_model(_NnxMlp(nnx.Rngs(0)),
                                        qwix.PtqProvider(rules, implementation="xla"), x)
   abstract = nnx.eval_shape(create)
-  assert isinstance(nnx.to_pure_dict(nnx.state(abstract))["hidden"]["dot_general"]["words"],
-                    jax.ShapeDtypeStruct)
+  pure = nnx.to_pure_dict(nnx.state(abstract))
+  assert set(pure["hidden"]["kernel"]["array"]) == {"qvalue", "scale"}
+  assert pure["hidden"]["kernel"]["array"]["qvalue"].dtype == jnp.int4
+  assert isinstance(abstract.hidden.kernel, qwix.WithAux)
   trained = _NnxMlp(nnx.Rngs(7))  # other weights than the template's
   fp = nnx.to_pure_dict(nnx.state(trained, nnx.Param))
   nnx.update(abstract, qwix.quantize_params(fp, abstract))
@@ -340,26 +356,35 @@ def test_nnx_ptq_from_an_abstract_model_and_float_params():
   np.testing.assert_array_equal(np.asarray(frozen(x)), want)
   bad = jax.tree.map(lambda a: a, fp)
   bad["out"]["kernel"] = jnp.ones((16, 4))
-  with pytest.raises(ValueError, match=r"'out/kernel' has shape \(16, 4\), the frozen layer "
-                                       r"'out .*' \(32, 4\)"):
+  with pytest.raises(ValueError, match=r"'out/kernel' has shape \(16, 4\), the template's "
+                                       r"\(32, 4\)"):
     qwix.quantize_params(bad, abstract)
-  with pytest.raises(ValueError, match="pass no quant_stats"):
-    qwix.quantize_params(fp, abstract, {})
+  with pytest.raises(ValueError, match="belong to no static-scale layer"):
+    qwix.quantize_params(fp, abstract, {"hidden": {"dot_general0_lhs": {
+        "count": 1, "sum_of_absmax": jnp.ones((1, 1))}}})
   static = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8", act_qtype="int8",
                                   act_static_scale=True)]
   qm = qwix.quantize_model(_NnxMlp(nnx.Rngs(0)), qwix.QtProvider(static), x)
   qm(x)  # a training-mode forward calibrates the static scales
   before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(qm)))
   m = qwix.quantize_model(qm, qwix.PtqProvider(static), 2 * x)
-  assert m.hidden.dot_general.spec.act_dict["scale"] == "given"
+  assert m.hidden.dot_general.how.spec.act_dict["scale"] == "given"
   # The QT model passed in keeps its state (its sample forward calibrates nothing), and the
-  # frozen input scale is the one it had.
+  # frozen input scale is the one it had: sum_of_absmax / count / qmax.
   after = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(qm)))
   jax.tree.map(np.testing.assert_array_equal, after, before)
-  np.testing.assert_array_equal(np.asarray(m.hidden.dot_general.scale_a[...]).reshape(()),
-                                np.asarray(qm.hidden.dot_general.act_static_scale[...]).reshape(()))
-  with pytest.raises(ValueError, match="input scale, which float params do not hold"):
+  stat = qm.hidden.dot_general0_lhs.get_value()
+  assert int(stat["count"]) == 1 and stat["sum_of_absmax"].shape == (1, 1)
+  np.testing.assert_allclose(np.asarray(m.hidden.dot_general0_lhs_scale.array[...]),
+                             np.asarray(stat["sum_of_absmax"]) / 127, rtol=1e-6)
+  assert "dot_general0_lhs" not in vars(m.hidden)  # the PTQ model keeps the scale, not the stats
+  with pytest.raises(ValueError, match="keeps a static input scale: pass the QT model's "
+                                       "quant_stats"):
     qwix.quantize_params(fp, m)
+  stats = nnx.to_pure_dict(nnx.state(qm, qwix.QuantStat))
+  filled = qwix.quantize_params(nnx.to_pure_dict(nnx.state(qm, nnx.Param)), m, stats)
+  jax.tree.map(np.testing.assert_array_equal, filled,
+               jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(m))))
 
 
 @pytest.mark.gpu
@@ -381,8 +406,7 @@ def test_ptq_on_the_packed_kernels_predicts_the_qt_forward_gpu(weight_qtype, imp
   ptq = qwix.quantize_model(model, qwix.PtqProvider(rules, implementation=implementation))
   params = qwix.quantize_params(v["params"], jax.eval_shape(ptq.init, jax.random.key(0), x)["params"])
   out = np.asarray(jax.jit(ptq.apply)({"params": params}, x), np.float64)
-  (layer,) = params[qwix.FROZEN_KEY].layers.values()
-  w = np.abs(np.asarray(layer.weight_codes(), np.float64) * np.asarray(layer.w_scale, np.float64)[:, None])
+  w = np.abs(np.asarray(qwix.dequantize(params["kernel"].array), np.float64)).T
   xq = qarray.quantize(x, qarray.QuantizeSpec(qtype="int8", channelwise_axes=(0,)))
   xh = np.abs(np.asarray(xq.dequantize(), np.float64))
   bound = k * np.finfo(np.float32).eps * (xh @ w.T) + np.finfo(np.float32).eps * np.abs(ref)
@@ -531,7 +555,10 @@ def test_linen_ptq_takes_partitioned_params():
   x = jax.random.normal(jax.random.key(0), (10, 12), jnp.float32)
   ptq = qwix.quantize_model(dense, qwix.PtqProvider(rules, implementation="xla"))
   v = ptq.init(jax.random.key(1), x)
-  assert "kernel" not in v["params"]
+  w = v["params"]["kernel"]
+  assert isinstance(w, qwix.WithAux)
+  assert isinstance(w.array.qvalue, nn.Partitioned) and w.array.qvalue.names == ("contraction", "out")
+  assert w.array.scale.value.shape == (3, 5) and w.array.scale.names == ("contraction", "out")
   abstract = jax.eval_shape(ptq.init, jax.random.key(1), x)["params"]
   fp = dense.init(jax.random.key(1), x)
   qt = qwix.quantize_model(dense, qwix.QtProvider(rules))
@@ -637,7 +664,7 @@ def test_process_prequantized_params_errors_name_what_is_wrong():
                                           allow_extra_params=True) == {}
   with pytest.raises(ValueError, match=r"'out/kernel'.*missing \['scale'\]"):
     qwix.process_prequantized_params({"out": {"kernel": {"qvalue": leaf["qvalue"]}}}, fp)
-  with pytest.raises(ValueError, match=r"'out/kernel'.*unsupported keys \['extra'\]"):
+  with pytest.raises(ValueError, match=r"'out/kernel' has unsupported quantized leaves \['extra'\]"):
     qwix.process_prequantized_params({"out": {"kernel": {**leaf, "extra": 1}}}, fp)
   with pytest.raises(ValueError, match=r"'out/kernel' has shape \(31, 4\).*\(32, 4\)"):
     qwix.process_prequantized_params(
@@ -646,8 +673,13 @@ def test_process_prequantized_params_errors_name_what_is_wrong():
     qwix.process_prequantized_params(
         {"out": {"kernel": {"qvalue": leaf["qvalue"], "scale": np.ones((3, 4), np.float32)}}}, fp)
   ptq = qwix.quantize_model(fp, qwix.PtqProvider([qwix.QuantizationRule(weight_qtype="int8")]), x)
-  with pytest.raises(ValueError, match="PTQ model.*quantize_model"):
-    qwix.process_prequantized_params({"out": {"kernel": leaf}}, ptq)
+  with pytest.raises(ValueError, match="invalid parameter combination for 'out/kernel'"):
+    qwix.process_prequantized_params({"out": {"kernel": fp.out.kernel[...]}}, ptq)
+  with pytest.raises(ValueError, match="'out/kernel' has an unexpected 'zero_point'"):
+    qwix.process_prequantized_params(
+        {"out": {"kernel": {**leaf, "zero_point": np.zeros((1, 4), np.int8)}}}, ptq)
+  got = qwix.process_prequantized_params({"out": {"kernel": leaf}}, ptq)
+  assert got["out"]["kernel"]["array"]["qvalue"].dtype == jnp.int8
 
 
 def test_restore_quantization_rules_reads_one_rule_per_module():

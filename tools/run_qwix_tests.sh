@@ -54,11 +54,11 @@ cat > "$S/_src/providers/qt.py" <<'PY'
 from qtrain.qwix import QtProvider, QtRule  # noqa: F401
 PY
 cat > "$S/_src/providers/ptq.py" <<'PY'
-from qtrain.core import qarray  # noqa: F401
-from qtrain.qwix import PtqProvider, quantize_params  # noqa: F401
+from qwix._src.core import qarray  # noqa: F401
+from qtrain.qwix import PtqProvider, WithAux, quantize_params  # noqa: F401
 PY
 cat > "$S/_src/core/qarray.py" <<'PY'
-from qtrain.core.qarray import QArray, dequantize  # noqa: F401
+from qtrain.qwix import QArray, dequantize  # noqa: F401
 PY
 cat > "$S/_src/core/sparsity.py" <<'PY'
 PY

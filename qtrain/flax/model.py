@@ -198,10 +198,27 @@ class _NnxHost:
     return self._get_or_create(name, init_fn, _STATE_TYPES[name])
 
   def stat(self, name, init_fn):
-    return self._get_or_create(name, init_fn, QuantStat)
+    owner = getattr(self.op, "stat_owner", None)
+    if owner is None:
+      return self._get_or_create(name, init_fn, QuantStat)
+    # A provider keeping statistics on the layer (qtrain.qwix: qwix's ``<op id>_lhs`` path).
+    full = f"{self.op.op_id}_{name}"
+    v = vars(owner).get(full)
+    if v is None:
+      if not self.initializing:
+        raise ValueError(
+            f"qtrain: the op in nnx module {self.op.path!r} keeps statistics {full!r} (a static "
+            "activation scale) that were never created: pass sample inputs to quantize_model")
+      v = QuantStat(init_fn())
+      setattr(owner, full, v)
+    return variable_get(v)
 
   def set_stat(self, name, value):
-    variable_set(getattr(self.op, name), value)
+    owner = getattr(self.op, "stat_owner", None)
+    if owner is None:
+      variable_set(getattr(self.op, name), value)
+    else:
+      variable_set(vars(owner)[f"{self.op.op_id}_{name}"], value)
 
   def rng_key(self, stream, what):
     rng = getattr(self.op, "rng", None)
@@ -694,6 +711,10 @@ def _quantize_nnx(model, provider, sample_args, sample_kwargs, rngs):
         if on:
           setattr(op, field, _op_stream(_stream(rngs, name), stacks[pstr] or (), name))
     setattr(node, attr, data(op))
+    if getattr(provider, "stats_on_owner", False):
+      # The provider keeps a static scale's statistics on the layer itself (qwix's layout,
+      # qtrain.qwix): the op refers to its layer (a reference nnx's graph keeps as one node).
+      op.stat_owner = data(node)
     ops.append((node, op, m))
   for node, pstr, counters in framed:
     node.__class__ = _framed_class(type(node), user=True)

@@ -1,0 +1,1 @@
+"""Private helpers of :mod:`qtrain.qwix` (qwix's params and statistics layouts)."""

@@ -1,0 +1,249 @@
+"""qwix's PTQ params layout on qtrain's frozen layers.
+
+In qwix's PTQ params, each quantized weight is a :class:`WithAux` leaf holding a
+:class:`QArray` ``(qvalue, scale[, zero_point])`` in the weight's own layout (``qvalue`` the
+parameter's shape, ``scale`` / ``zero_point`` of the same rank, one value per tile of each
+axis), and a rule's static input scale is a ``WithAux`` of its scale under
+``<op id>_lhs_scale`` beside the module's params. qtrain's frozen layers (:mod:`qtrain._frozen`)
+keep the same codes and scales packed ``(N, K)``; this module converts between the two. The
+conversion is a re-arrangement (transposes, packing), never a re-quantization: a
+:class:`WithAux`'s ``how`` holds the frozen layer's metadata, so the arrays alone rebuild it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.core import meta
+
+from qtrain import _frozen
+from qtrain._frozen import FrozenLayer
+from qtrain.core import packing
+from qtrain.core import qtypes
+from qtrain.ops import config as cfg_lib
+
+
+def unbox(tree):
+  """``tree`` with nnx Variables and linen boxes (``nn.Partitioned``) replaced by their values."""
+  def one(v):
+    if isinstance(v, nnx.Variable):
+      return v.get_value()
+    if isinstance(v, meta.AxisMetadata):
+      return v.unbox()
+    return v
+  return jax.tree.map(one, tree, is_leaf=lambda v: isinstance(v, (nnx.Variable, meta.AxisMetadata)))
+
+
+def _rebox(box, value):
+  """``value`` in ``box``'s place: a linen box or nnx Variable keeps its metadata."""
+  if isinstance(box, meta.AxisMetadata):
+    return box.replace_boxed(value)
+  if isinstance(box, nnx.Variable):
+    return box.replace(value)
+  return value
+
+
+@flax.struct.dataclass
+class QArray:
+  """qwix's ``QArray``: ``x ~ (qvalue - zero_point) * scale``, ``scale`` and ``zero_point`` of
+  ``qvalue``'s rank, each axis dividing ``qvalue``'s (one value per tile of it).
+
+  Attributes:
+    qvalue: the codes, in the weight's own shape (int8; int4 / int2 for those qtypes).
+    scale: float scales.
+    zero_point: None (symmetric) or the zero points, in ``qvalue``'s dtype.
+    qtype: the qtype's name (static); defaults to ``qvalue``'s dtype name.
+  """
+
+  qvalue: Any
+  scale: Any
+  zero_point: Any = None
+  qtype: Any = flax.struct.field(pytree_node=False, default=None)
+
+  def __post_init__(self):
+    if self.qtype is None:
+      dt = getattr(unbox(self.qvalue), "dtype", None)
+      if dt is not None:
+        object.__setattr__(self, "qtype", jnp.dtype(dt).name)
+
+  shape = property(lambda self: unbox(self.qvalue).shape)
+  ndim = property(lambda self: len(unbox(self.qvalue).shape))
+  dtype = property(lambda self: unbox(self.scale).dtype)
+
+  def astype(self, dtype) -> "QArray":
+    """The dequantized dtype changed (the scale's), as qwix's."""
+    return self.replace(scale=_rebox(self.scale, unbox(self.scale).astype(dtype)))
+
+
+@flax.struct.dataclass
+class WithAux:
+  """qwix's ``WithAux``: an array or :class:`QArray` with static ``how`` (how it was quantized:
+  for qtrain.qwix's PTQ params, the frozen layer's metadata)."""
+
+  array: Any
+  how: Any = flax.struct.field(pytree_node=False, default=None)
+
+  value = property(lambda self: unbox(self.array))
+  shape = property(lambda self: unbox(self.array).shape)
+  ndim = property(lambda self: len(unbox(self.array).shape))
+  dtype = property(lambda self: unbox(self.array).dtype)
+
+  def __getitem__(self, key):
+    return jax.tree.map(lambda x: x[key], self.value)
+
+  def astype(self, dtype) -> "WithAux":
+    inner = unbox(self.array)
+    if isinstance(inner, QArray):
+      return self.replace(array=self.array.astype(dtype) if isinstance(self.array, QArray)
+                          else inner.astype(dtype))
+    return self.replace(array=_rebox(self.array, inner.astype(dtype)))
+
+  def reshape(self, *shape) -> "WithAux":
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+      shape = tuple(shape[0])
+    if tuple(self.shape) != tuple(shape):
+      raise ValueError(f"a quantized weight keeps its shape {tuple(self.shape)}; reshape to "
+                       f"{tuple(shape)} asked")
+    return self
+
+
+for _cls in (QArray, WithAux):
+  nnx.register_data_type(_cls)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightHow:
+  """``how`` of a PTQ weight: the frozen layer's metadata (``spec``, arrays None), its key in
+  qtrain's frozen layers, and the weight's quantization (for :func:`requantize`)."""
+
+  key: str
+  spec: FrozenLayer
+  weight_quant: cfg_lib.OperandQuant | None
+
+  @property
+  def qtype(self) -> str:
+    return self.spec.w_qtype
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleHow:
+  """``how`` of a PTQ static input scale: its frozen layer's key and the input's qtype."""
+
+  key: str
+  qtype: str
+
+  @property
+  def qmax(self) -> float:
+    return float(qtypes.get_qtype(self.qtype).qmax)
+
+
+def storage_dtype(qtype: str):
+  """The dtype of a weight's codes in qwix's layout: int4 / int2 where the qtype is, else int8."""
+  return {"int4": jnp.int4, "int2": jnp.int2}.get(qtype, jnp.int8)
+
+
+def to_qarray(layer: FrozenLayer) -> QArray:
+  """A frozen layer's weight as qwix's QArray in the weight's own layout (its codes and scales)."""
+  q = layer.kernel_qarray()
+  dt = storage_dtype(layer.w_qtype)
+  zp = None if q.zero_point is None else q.zero_point.astype(dt)
+  return QArray(qvalue=q.qvalue.astype(dt), scale=q.scale.astype(jnp.float32), zero_point=zp,
+                qtype=layer.w_qtype)
+
+
+def _expand(a, shape):
+  """A per-tile array repeated to ``shape`` (each axis of ``a`` 1, equal, or dividing)."""
+  for ax, (g, n) in enumerate(zip(a.shape, shape)):
+    if g not in (1, n):
+      a = jnp.repeat(a, n // g, axis=ax)
+  return jnp.broadcast_to(a, shape)
+
+
+def to_frozen(how: WeightHow, qarray: QArray, scale_a=None) -> FrozenLayer:
+  """The frozen layer of a PTQ weight: its codes packed ``(N, K)``, scales per channel / group."""
+  spec = how.spec
+  qv = jnp.asarray(unbox(qarray.qvalue))
+  scale = jnp.asarray(unbox(qarray.scale), jnp.float32)
+  zp = qarray.zero_point
+  zp = None if zp is None else jnp.asarray(unbox(zp)).astype(jnp.float32)
+  ks = tuple(spec.kernel_shape)
+  if tuple(qv.shape) != ks:
+    raise ValueError(f"layer {how.key!r}: qvalue has shape {tuple(qv.shape)}, the weight's {ks}")
+  for what, a in (("scale", scale), ("zero_point", zp)):
+    if a is not None and (a.ndim != len(ks) or any(n % g for g, n in zip(a.shape, ks))):
+      raise ValueError(f"layer {how.key!r}: {what} of shape {tuple(a.shape)} does not tile "
+                       f"qvalue's {ks}")
+  codes = qv.astype(jnp.int8)
+  if spec.kind == "conv":
+    perm = tuple(spec.layout)
+    lead, n, k = (), spec.n, spec.k
+  else:
+    contract, batch, free = _frozen._dot_axes(spec)
+    perm = batch + free + contract
+    nb = math.prod(ks[a] for a in batch)
+    lead, n = ((nb,) if batch else ()), math.prod(ks[a] for a in free)
+    k = math.prod(ks[a] for a in contract)
+  flat = lambda a: jnp.transpose(a, perm).reshape(lead + (n, k))
+  codes = flat(codes)
+
+  def per_group(a):
+    full = flat(_expand(a, ks))
+    if spec.group_size is None:
+      return full[..., 0]
+    return full[..., ::spec.group_size]
+  return dataclasses.replace(
+      spec, words=packing.pack(codes, spec.w_qtype, axis=-1), w_scale=per_group(scale),
+      w_zero=None if zp is None else per_group(zp),
+      scale_a=None if scale_a is None else jnp.asarray(scale_a, jnp.float32).reshape(()))
+
+
+def requantize(how: WeightHow, kernel, where: str) -> QArray:
+  """``kernel`` (a float weight) quantized as the PTQ weight ``how`` says, in qwix's layout."""
+  spec = how.spec
+  if how.weight_quant is None:
+    raise ValueError(f"quantize_params: {where!r}: the template does not say how its weight was "
+                     "quantized")
+  kernel = jnp.asarray(kernel)
+  if tuple(kernel.shape) != tuple(spec.kernel_shape):
+    raise ValueError(f"quantize_params: {where!r} has shape {tuple(kernel.shape)}, the "
+                     f"template's {tuple(spec.kernel_shape)}")
+  kernel = kernel.astype(spec.weight_dtype)
+  fields = {f: getattr(spec, f) for f in _frozen.META_FIELDS
+            if f not in ("kind", "w_qtype", "k", "n", "kernel_shape", "group_size", "layout")}
+  fields.update(scale_a=None, bias_a=None, bias=None)
+  if spec.kind == "conv":
+    layer = _frozen.build_conv(kernel, rhs_spec=spec.layout, w_cfg=how.weight_quant, where=where,
+                               **fields)
+  else:
+    contract, batch = spec.layout
+    if len(contract) > 1 and spec.group_size is not None:
+      raise ValueError(f"quantize_params: {where!r}: a tile across several contracting axes is "
+                       "not rebuilt from float weights here: quantize the model with "
+                       "quantize_model(model, PtqProvider(rules), x) instead")
+    layer = _frozen.build_dot(kernel, contract=contract, batch=batch, w_cfg=how.weight_quant,
+                              where=where, **fields)
+  return to_qarray(layer)
+
+
+def static_scale_array(scale, ndim: int):
+  """A per-tensor input scale in qwix's layout: shape ``(1,) * ndim`` (the input's rank)."""
+  return jnp.asarray(scale, jnp.float32).reshape((1,) * ndim)
+
+
+def is_quantized_leaf(x) -> bool:
+  return isinstance(x, WithAux)
+
+
+def tree_has_quantized(tree) -> bool:
+  return any(isinstance(x, WithAux) for x in jax.tree.leaves(tree, is_leaf=is_quantized_leaf))
+
+
+def np_dtype_name(x) -> str:
+  return np.dtype(getattr(x, "dtype", np.float32)).name
