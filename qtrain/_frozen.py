@@ -287,8 +287,13 @@ def build_dot(kernel, *, contract, batch, w_cfg, where: str, **fields) -> Frozen
     t = jnp.broadcast_to(t, tuple(bshape) + tuple(fshape) + reps + (g,))
     return t.reshape(lead + (n, math.prod(reps) * g))
 
-  scale = flat(q.scale)
-  zero = None if q.zero_point is None else flat(q.zero_point)
+  # Per-axis tiles along a batch / free axis (2-D tiles) are one scale per channel here, as
+  # the op's product reads them (qdot._per_index_free_scales): the same numbers.
+  per_channel = lambda s: functools.reduce(
+      lambda s, a: jnp.repeat(s, shp[a] // s.shape[a], axis=a) if s.shape[a] not in (1, shp[a])
+      else s, batch + free, s)
+  scale = flat(per_channel(q.scale))
+  zero = None if q.zero_point is None else flat(per_channel(q.zero_point))
   groups = scale.shape[-1]
   group = k // groups if groups > 1 else None
   if groups == 1:
@@ -420,7 +425,7 @@ def quantize_act(layer: FrozenLayer, x, *, contract, channel_axes, tile_axis, sh
                            axis_names=oq.axis_names)
     given = qa.calibrate(jax.lax.stop_gradient(x), spec)[0].reshape(())
   if given is None:
-    return qa.quantize(x, qop.operand_spec(oq, x.ndim, channel_axes, tile_axis))
+    return qa.quantize(x, qop.operand_spec(oq, x.ndim, channel_axes, tile_axis, shape=x.shape))
   return qa.quantize_with_scale(x, oq.qtype, qop.as_scale(given, x.shape, "the input scale"))
 
 

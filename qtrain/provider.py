@@ -355,7 +355,9 @@ class QtProvider:
     return cfg_lib.GradQuant(qtype=rule.bwd_qtype, calibration=rule.bwd_calibration_method,
                              stochastic_rounding=rule.bwd_stochastic_rounding,
                              axis_names=(rule.bwd_weight_grad_axis_names if weight else
-                                         rule.bwd_act_grad_axis_names))
+                                         rule.bwd_act_grad_axis_names),
+                             tile_size=(rule.bwd_weight_grad_tile_size if weight else
+                                        rule.bwd_act_grad_tile_size))
 
   def _act_state(self, host: Host, rule, act, contract_axes):
     """Applies the learned shift; returns (act, act_scale or None)."""
@@ -372,6 +374,9 @@ class QtProvider:
     return act, scale
 
   def _static_scale(self, host: Host, rule, x):
+    """The static activation scale (per tensor); ``(scale, zero point)`` for ``minmax``."""
+    if rule.act_calibration_method.is_asymmetric:
+      return self._static_minmax(host, rule, x)
     spec = qarray.QuantizeSpec(qtype=rule.act_qtype, channelwise_axes=(),
                                calibration=rule.act_calibration_method,
                                axis_names=rule.act_axis_names)
@@ -389,6 +394,28 @@ class QtProvider:
       return new
     # Frozen: the stored scale; before any calibration batch, this batch's scale.
     return jnp.where(count > 0, scale, cur)
+
+  def _static_minmax(self, host: Host, rule, x):
+    """An asymmetric static scale: the averaged ends ``min(x, 0)``, ``max(x, 0)`` of the
+    calibration batches (kept next to the count), made a scale and zero point by ``minmax``."""
+    lo, hi = qarray.minmax_bounds(jax.lax.stop_gradient(x), rule.act_axis_names)
+    s_lo = host.stat("act_static_min", lambda: jnp.zeros((), jnp.float32))
+    s_hi = host.stat("act_static_max", lambda: jnp.zeros((), jnp.float32))
+    count = host.stat("act_static_count", lambda: jnp.zeros((), jnp.float32))
+    if host.calibrating:
+      if rule.act_static_scale_averaging == "ema":
+        d = rule.act_static_scale_ema_decay
+        avg = lambda old, cur: jnp.where(count > 0, d * old + (1 - d) * cur, cur)
+      else:
+        avg = lambda old, cur: old + (cur - old) / (count + 1)
+      lo, hi = avg(s_lo, lo), avg(s_hi, hi)
+      host.set_stat("act_static_min", lo)
+      host.set_stat("act_static_max", hi)
+      host.set_stat("act_static_count", count + 1)
+    else:  # frozen: the stored ends; before any calibration batch, this batch's
+      lo, hi = jnp.where(count > 0, s_lo, lo), jnp.where(count > 0, s_hi, hi)
+    cal = rule.act_calibration_method
+    return qarray.minmax_scale(lo, hi, rule.act_qtype, cal.multiplier)
 
   def _key(self, host: Host, rule, path):
     """(key, error message if the stream is missing) for stochastic rounding.
@@ -449,14 +476,17 @@ class QtProvider:
           lhs=w_cfg if weight_operand == 0 else a_cfg, rhs=w_cfg if weight_operand == 1 else a_cfg,
           dlhs_grad=gw if weight_operand == 0 else g, drhs_grad=gw if weight_operand == 1 else g,
           implementation=rule.implementation)
-      scales = [None, None]
+      scales, zero_points = [None, None], [None, None]
+      if isinstance(act_scale, tuple):  # an asymmetric static scale: (scale, zero point)
+        act_scale, zero_points[a_idx] = act_scale
       scales[a_idx] = act_scale
       self._rec(path, op_id, op_name, m, QUANTIZED, weight_operand, shapes,
                 ("dot_general", dn, *_shapes_dtypes(ops)))
       key, missing = self._key(host, rule, path)
       out = _dot_general_qt(ops[0], ops[1], dn, cfg, precision=precision,
                             preferred_element_type=preferred_element_type, key=key,
-                            lhs_scale=scales[0], rhs_scale=scales[1])
+                            lhs_scale=scales[0], rhs_scale=scales[1],
+                            lhs_zero_point=zero_points[0], rhs_zero_point=zero_points[1])
       if rule.has_lora:
         out = out + self._lora(host, rule, path, x_orig, jnp.shape(ops[weight_operand]), dn,
                                weight_operand, out)
@@ -551,6 +581,10 @@ class QtProvider:
               is None else f"{name}_granularity"
           raise ValueError(f"{field}={getattr(rule, field)} is set, and convolutions take no "
                            "tile_size (restrict the rule with op_names=('dot_general', 'einsum'))")
+      for field in ("bwd_weight_grad_tile_size", "bwd_act_grad_tile_size"):
+        if getattr(rule, field) is not None:
+          raise ValueError(f"{field}={getattr(rule, field)} is set, and convolutions take no "
+                           "tile_size (restrict the rule with op_names=('dot_general', 'einsum'))")
       cdn = jax.lax.conv_dimension_numbers(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
       act, act_scale = lhs, None
       if rule.act_qtype is not None:
@@ -564,10 +598,13 @@ class QtProvider:
                 ("conv_general_dilated", (cdn.lhs_spec, cdn.rhs_spec, cdn.out_spec),
                  int(feature_group_count), *_shapes_dtypes((act, rhs))))
       key, missing = self._key(host, rule, path)
+      act_zp = None
+      if isinstance(act_scale, tuple):  # an asymmetric static scale: (scale, zero point)
+        act_scale, act_zp = act_scale
       out = _conv_general_qt(
           act, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
           feature_group_count, batch_group_count, precision, preferred_element_type, config=cfg,
-          key=key, lhs_scale=act_scale)
+          key=key, lhs_scale=act_scale, lhs_zero_point=act_zp)
       return out if missing is None else _grad_guard(out, missing)
 
   def ragged_dot(self, host: Host, path: str, op_id: str, lhs, rhs, group_sizes, *,

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from qtrain.core import estimators
 from qtrain.core import qarray
@@ -71,6 +71,15 @@ class QtRule:
       An op that contracts several axes (an attention out projection over
       (heads, head_dim)) is tiled over their product, flattened in the order
       the axes lie in the activation; the tile must divide that product.
+      A float in (0, 1] is a fraction of the contraction (``round(K * f)``
+      values: ``0.25`` is 4 tiles; qwix's reading). Per-axis tiles
+      ``{axis: tile}`` (qwix's dict form; each tile an int or a fraction) name
+      axes of each quantized operand, in its own axis order: 2-D scales, e.g.
+      ``{0: 128, 1: 128}`` on ``x (M, K) . W (K, N)`` gives the weight one
+      scale per 128 x 128 block of (K, N) and the activation one per block of
+      (M, K); a contracting axis not named is one group, a free axis not named
+      keeps one scale per index. Stored as a sorted tuple of ``(axis, tile)``
+      pairs (rules are hashable). Not for convolutions.
     weight_calibration_method, act_calibration_method: a method name
       (``absmax``, ``absmean``, ``rms``, ``minmax``, ``fixed``,
       ``percentile``), the same with arguments as qwix writes them
@@ -85,8 +94,9 @@ class QtRule:
       fields. Otherwise one of :data:`WEIGHT_GRANULARITIES` /
       :data:`ACT_GRANULARITIES`: ``"per_tensor"`` (one scale), ``"per_channel"``
       (a weight: one scale per output channel), ``"per_token"`` (activations:
-      one per row, i.e. per index of every non-contracting axis), or an int
-      ``N``: per channel / per token, in tiles of ``N`` along the contraction.
+      one per row, i.e. per index of every non-contracting axis), or a tile
+      as ``tile_size`` takes it (an int ``N``: per channel / per token, in
+      tiles of ``N`` along the contraction; a fraction; per-axis tiles).
       BitNet b1.58 is ``weight_granularity="per_tensor"`` (ternary, absmean)
       with ``act_granularity="per_token"`` (int8, absmax).
     weight_estimator, act_estimator: gradient estimator through the
@@ -96,7 +106,11 @@ class QtRule:
     act_static_scale: calibrate the activation scale over batches and keep
       it in Flax state (linen collection ``"quant_stats"``, nnx
       :class:`qtrain.QuantStat` variables) instead of calibrating on every
-      batch. One scale per tensor. Updated while calibrating (linen: when
+      batch. One scale per tensor. With ``act_calibration_method="minmax"``
+      (asymmetric, integer ``act_qtype``) the state is the averaged
+      ``min(x, 0)`` and ``max(x, 0)`` of the batches (``act_static_min``,
+      ``act_static_max``), and the scale and integer zero point follow from
+      them as a ``minmax`` calibration of those ends. Updated while calibrating (linen: when
       ``"quant_stats"`` is mutable in ``apply``; nnx:
       :func:`qtrain.set_calibrate`), frozen otherwise.
     act_static_scale_averaging: ``"mean"`` (running mean over all
@@ -119,6 +133,15 @@ class QtRule:
   Backward:
     bwd_qtype: qtype of the incoming gradient in both backward products
       (int2..int8 or fp8), or None for a float backward.
+    bwd_weight_grad_tile_size, bwd_act_grad_tile_size: group-wise scales of
+      the incoming gradient in the product giving the weight's gradient
+      (which contracts the tokens: the tile runs along the last token axis)
+      or the input's (which contracts the output features), as qwix's
+      ``bwd_weight_grad_tile_size`` / ``dlhs_tile_size`` /
+      ``drhs_tile_size``: an int, a fraction of that axis, or per-axis tiles
+      ``{axis: tile}`` in the gradient's (the op output's) axes. None: per
+      channel. Need ``bwd_qtype``. The other operand of the product is the
+      forward's quantized residual, as without a tile.
     bwd_calibration_method: calibration of the gradient (symmetric methods).
     bwd_stochastic_rounding: ``None``, ``"uniform"``, ``"low_bit_uniform"``
       or ``"low_bit_hash"`` (:mod:`qtrain.core.rounding`); keys come from the Flax RNG stream
@@ -156,12 +179,12 @@ class QtRule:
   op_names: Sequence[str] | None = None
   weight_qtype: object = None
   act_qtype: object = None
-  tile_size: int | None = None
+  tile_size: int | float | Mapping[int, int | float] | None = None
   weight_calibration_method: object = "absmax"
   act_calibration_method: object = "absmax"
   disable_channelwise_axes: bool = False
-  weight_granularity: str | int | None = None
-  act_granularity: str | int | None = None
+  weight_granularity: str | int | float | Mapping[int, int | float] | None = None
+  act_granularity: str | int | float | Mapping[int, int | float] | None = None
   weight_estimator: str = "ste"
   act_estimator: str = "ste"
   act_static_scale: bool = False
@@ -174,6 +197,8 @@ class QtRule:
   bwd_qtype: object = None
   bwd_calibration_method: object = "absmax"
   bwd_stochastic_rounding: str | None = None
+  bwd_weight_grad_tile_size: int | float | Mapping[int, int | float] | None = None
+  bwd_act_grad_tile_size: int | float | Mapping[int, int | float] | None = None
   bwd_weight_grad_axis_names: Sequence[str] = ()
   bwd_act_grad_axis_names: Sequence[str] = ()
   weight_axis_names: Sequence[str] = ()
@@ -231,26 +256,39 @@ class QtRule:
           qtypes.get_qtype(qt).kind != "int":
         errors.append(f"{name}='minmax' (asymmetric) needs an integer {qname}, got {qt!r}")
     # Granularity.
-    if self.tile_size is not None and (isinstance(self.tile_size, bool) or
-                                       not isinstance(self.tile_size, int) or self.tile_size <= 0):
-      errors.append(f"tile_size={self.tile_size!r} must be a positive int or None")
+    for name in ("tile_size", "bwd_weight_grad_tile_size", "bwd_act_grad_tile_size"):
+      try:
+        object.__setattr__(self, name, cfg_lib.check_tile(getattr(self, name), name))
+      except ValueError as e:
+        errors.append(str(e))
     if self.tile_size is not None and self.weight_qtype is None and self.act_qtype is None:
       errors.append(f"tile_size={self.tile_size} is set but weight_qtype and act_qtype are None")
+    for name in ("bwd_weight_grad_tile_size", "bwd_act_grad_tile_size"):
+      if getattr(self, name) is not None and self.bwd_qtype is None:
+        errors.append(f"{name}={getattr(self, name)!r} is set but bwd_qtype is None (the "
+                      "backward is float)")
     for name, qname, valid, other in (
         ("weight_granularity", "weight_qtype", WEIGHT_GRANULARITIES, ACT_GRANULARITIES),
         ("act_granularity", "act_qtype", ACT_GRANULARITIES, WEIGHT_GRANULARITIES)):
       v = getattr(self, name)
       if v is None:
         continue
-      if isinstance(v, bool) or not isinstance(v, (str, int)) or \
-          (isinstance(v, int) and v <= 0) or (isinstance(v, str) and v not in valid):
-        hint = ""
-        if isinstance(v, str) and v in other:
-          hint = (f" ({v!r} is the other operand's name for the same layout: "
-                  f"{valid[1]!r} here)")
-        errors.append(f"{name}={v!r}; valid: None, {', '.join(map(repr, valid))} or a positive "
-                      f"int tile size{hint}")
-      elif getattr(self, qname) is None:
+      if isinstance(v, str):
+        if v not in valid:
+          hint = ""
+          if v in other:
+            hint = (f" ({v!r} is the other operand's name for the same layout: "
+                    f"{valid[1]!r} here)")
+          errors.append(f"{name}={v!r}; valid: None, {', '.join(map(repr, valid))} or a tile "
+                        f"(a positive int, a fraction in (0, 1], per-axis tiles){hint}")
+          continue
+      else:
+        try:
+          object.__setattr__(self, name, cfg_lib.check_tile(v, name))
+        except ValueError as e:
+          errors.append(f"{e}; or one of {', '.join(map(repr, valid))}")
+          continue
+      if getattr(self, qname) is None:
         errors.append(f"{name}={v!r} is set but {qname} is None")
     # MX qtypes: blocks of 32 values of one row (the format's own tile).
     if not errors:
@@ -260,8 +298,12 @@ class QtRule:
           continue
         channelwise, tile = self.granularity(weight=weight)
         try:
-          qtypes.check_tile_size(qt, tile, "weight_granularity / tile_size" if weight
-                                 else "act_granularity / tile_size")
+          field = "weight_granularity / tile_size" if weight else "act_granularity / tile_size"
+          if cfg_lib.is_per_axis(tile):
+            raise ValueError(f"{field}={dict(tile)!r} with {qname}={qt.name!r}: an MX block is "
+                             f"{qt.block_size} values of one row along the contraction, not "
+                             "per-axis tiles")
+          qtypes.check_tile_size(qt, tile, field)
         except ValueError as e:
           errors.append(str(e))
         if not channelwise:
@@ -273,15 +315,13 @@ class QtRule:
         errors.append(f"{name}={getattr(self, name)!r}; valid: {list(estimators.ESTIMATORS)}")
     # Static and learned activation scales: both need an activation qtype, both are symmetric.
     act_cal = self.act_calibration_method
-    for name, hint in (("act_static_scale", "static scales are symmetric (no zero point)"),
-                       ("act_learnable_scale", "learned scales are symmetric (use "
-                                               "act_learnable_shift for an offset)")):
-      if not getattr(self, name):
-        continue
-      if self.act_qtype is None:
+    for name in ("act_static_scale", "act_learnable_scale"):
+      if getattr(self, name) and self.act_qtype is None:
         errors.append(f"{name}=True needs act_qtype (it is None)")
-      if isinstance(act_cal, qarray.Calibration) and act_cal.is_asymmetric:
-        errors.append(f"{name}=True with act_calibration_method='minmax': {hint}")
+    if self.act_learnable_scale and isinstance(act_cal, qarray.Calibration) and \
+        act_cal.is_asymmetric:
+      errors.append("act_learnable_scale=True with act_calibration_method='minmax': learned "
+                    "scales are symmetric (use act_learnable_shift for an offset)")
     if self.act_static_scale and self.act_learnable_scale:
       errors.append("act_static_scale=True and act_learnable_scale=True: pick one")
     if self.act_static_scale_averaging not in STATIC_SCALE_AVERAGING:
@@ -371,7 +411,7 @@ class QtRule:
     rx = self._regex  # type: ignore[attr-defined]
     return rx.search(path) is not None and rx.fullmatch(path) is None
 
-  def granularity(self, *, weight: bool) -> tuple[bool, int | None]:
+  def granularity(self, *, weight: bool) -> tuple[bool, int | float | tuple | None]:
     """``(channelwise, tile_size)`` of the weight's scales (``weight=True``) or the
     activation's: the operand's own granularity field where set, else the
     shared ``disable_channelwise_axes`` and ``tile_size`` (None: the qtype's default block,
@@ -384,7 +424,7 @@ class QtRule:
       if tile is None and qname is not None:
         tile = qtypes.get_qtype(qname).block_size
       return not self.disable_channelwise_axes, tile
-    if isinstance(g, int):
+    if not isinstance(g, str):  # a tile: an int, a fraction or per-axis tiles
       return True, g
     return g != "per_tensor", None
 
@@ -425,15 +465,23 @@ class QtRule:
     """A one-line description: the qtypes set."""
     parts = [f"w={self.weight_qtype}", f"a={self.act_qtype}", f"g={self.bwd_qtype}"]
     if self.tile_size:
-      parts.append(f"tile={self.tile_size}")
+      parts.append(f"tile={_tile_str(self.tile_size)}")
+    for name, t in (("w_grad_tile", self.bwd_weight_grad_tile_size),
+                    ("a_grad_tile", self.bwd_act_grad_tile_size)):
+      if t is not None:
+        parts.append(f"{name}={_tile_str(t)}")
     for name, g in (("w", self.weight_granularity), ("a", self.act_granularity)):
       if g is not None:
-        parts.append(f"{name}_gran={g}")
+        parts.append(f"{name}_gran={_tile_str(g)}")
     if self.bwd_stochastic_rounding:
       parts.append(f"sr={self.bwd_stochastic_rounding}")
     if self.has_lora:
       parts.append(f"lora_rank={self.lora_rank}")
     return " ".join(parts)
+
+
+def _tile_str(t) -> str:
+  return str(dict(t)).replace(" ", "") if cfg_lib.is_per_axis(t) else str(t)
 
 
 def first_match(rules: Sequence[QtRule], path: str, op_name: str) -> tuple[int, QtRule] | None:

@@ -664,6 +664,34 @@ def _calibrate_minmax(lo: jax.Array, hi: jax.Array, qt: qtypes.QType, multiplier
   return scale.reshape(out_shape), zero_point.reshape(out_shape)
 
 
+def minmax_bounds(x: jax.Array, axis_names: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
+  """``(min(x, 0), max(x, 0))`` over the whole of ``x`` as float32 scalars (NaN in ``x`` gives
+  ``(-inf, inf)``, so the scale that follows is NaN): the statistics of an asymmetric
+  (``minmax``) static scale, averaged over calibration batches before :func:`minmax_scale`.
+  ``axis_names``: inside ``jax.shard_map``, the mesh axes ``x`` is split over (skipped outside)."""
+  xf = jnp.asarray(x, jnp.float32)
+  nan = jnp.isnan(xf)
+  lo = jnp.min(jnp.where(nan, -jnp.inf, xf), initial=0.0)
+  hi = jnp.max(jnp.where(nan, jnp.inf, xf), initial=0.0)
+  names = _lax.bound_axis_names(x, axis_names, "axis_names") if axis_names else ()
+  if names:
+    lo, hi = jax.lax.pmin(lo, names), jax.lax.pmax(hi, names)
+  return lo, hi
+
+
+def minmax_scale(lo: jax.Array, hi: jax.Array, qtype, multiplier: float = 1.0
+                 ) -> tuple[jax.Array, jax.Array]:
+  """``(scale, zero point)`` mapping ``[min(lo, 0), max(hi, 0)] * multiplier`` onto an integer
+  qtype's ``[qmin, qmax]``: what ``calibrate`` with ``minmax`` computes from a group's ends,
+  for ends given (an asymmetric static scale's averaged statistics). Shaped like ``lo``."""
+  qt = qtypes.get_qtype(qtype)
+  if qt.kind != "int":
+    raise ValueError(f"minmax_scale: qtype {qt.name!r} is not an integer qtype (a zero point "
+                     "needs one)")
+  lo, hi = jnp.asarray(lo, jnp.float32), jnp.asarray(hi, jnp.float32)
+  return _calibrate_minmax(lo, hi, qt, float(multiplier), jnp.shape(lo))
+
+
 def quantize_with_scale(
     x: jax.Array,
     qtype,

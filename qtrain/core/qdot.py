@@ -28,6 +28,10 @@ computes with real low-precision arithmetic where it can:
   to it (the Pallas W{1,2,4,8}A16 kernels do this fused). A bf16 x bf16
   product accumulates in float32 (:func:`float_dot_general`).
 
+Scales tiled along a free axis (2-D tiles: blocks along the contraction and
+along a free axis) are repeated to one per index of that axis first: they
+factor out of the sum as per-channel scales do.
+
 Where scales cannot be factored out of the contraction (a scale that varies
 along a contracting axis per element, or two tiled contracting axes) both
 sides are dequantized and the dot runs in float32: the same numbers as the
@@ -200,6 +204,21 @@ def _scale_plan(lhs: qa.QArray, rhs: qa.QArray, dn: DimensionNumbers):
   return tiled[0] if tiled else None
 
 
+def _per_index_free_scales(q: qa.QArray, contract) -> qa.QArray:
+  """``q`` with scales (and zero points) tiled along a non-contracting axis repeated to one per
+  index of it (2-D tiles: blocks along a free axis too). The same numbers: a scale that does
+  not vary along the contraction factors out of the sum whatever its layout, so the product
+  keeps its low-precision path."""
+  s, z = q.scale, q.zero_point
+  for a, n in enumerate(q.shape):
+    if a not in contract and s.shape[a] not in (1, n):
+      s = jnp.repeat(s, n // s.shape[a], axis=a)
+      z = None if z is None else jnp.repeat(z, n // z.shape[a], axis=a)
+  if s is q.scale:
+    return q
+  return qa.QArray(qvalue=q.qvalue, scale=s, zero_point=z, qtype=q.qtype)
+
+
 def _split_axis(x: jax.Array, axis: int, groups: int) -> jax.Array:
   """(.., n, ..) -> (groups, .., n // groups, ..): the group axis moved first."""
   shape = x.shape
@@ -282,6 +301,8 @@ def dot_general_quantized_xla(
     return jnp.zeros(output_shape(lhs.shape, rhs.shape, dn), out_dtype)
   if not (is_quantized(lhs) and is_quantized(rhs)):
     return _float_dot(lhs, rhs, dn, out_dtype, compute_dtype, precision)
+  (lc0, rc0), _ = dn
+  lhs, rhs = _per_index_free_scales(lhs, lc0), _per_index_free_scales(rhs, rc0)
   plan = _scale_plan(lhs, rhs, dn)
   if plan == "float":
     return _float_dot(lhs, rhs, dn, out_dtype, compute_dtype, precision)

@@ -24,6 +24,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import numbers
+from typing import Mapping
 
 from qtrain.core import estimators
 from qtrain.core import qarray
@@ -45,6 +47,97 @@ def check_implementation(value, field: str = "implementation") -> str:
   return value
 
 
+# ----------------------------------------------------------------------------
+# Tiles: an int (elements), a float (a fraction of the axis: 1 / tile count), or per-axis tiles.
+
+_TILE_VALUES = ("a positive int (elements per tile), a float in (0, 1] (a fraction of the axis, "
+                "1 / tile count: 0.25 is 4 tiles)")
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_fraction(v) -> bool:
+  return isinstance(v, float) and 0.0 < v <= 1.0
+
+
+def check_tile(value, field: str) -> "int | float | tuple | None":
+  """``value`` as a tile spec, validated (errors name ``field``): None; a positive int (elements
+  per tile); a float in (0, 1] (a fraction of the axis: the tile is ``round(size * value)``
+  elements, qwix's reading; it must divide the axis); or per-axis tiles ``{axis: tile}`` (each
+  tile an int or a fraction), returned as a sorted tuple of ``(axis, tile)`` pairs so that
+  configs and rules stay hashable."""
+  if value is None:
+    return None
+  if _is_int(value):
+    if value <= 0:
+      raise ValueError(f"{field}={value!r} is not valid; valid: None, {_TILE_VALUES} or "
+                       "per-axis tiles {axis: tile}")
+    return int(value)
+  if isinstance(value, float):
+    if not _is_fraction(value):
+      raise ValueError(f"{field}={value!r} is not valid: a float tile is a fraction of the axis, "
+                       f"in (0, 1]; valid: None, {_TILE_VALUES} or per-axis tiles {{axis: tile}}")
+    return value
+  pairs = None
+  if isinstance(value, Mapping):
+    pairs = list(value.items())
+  elif isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+    pairs = list(value)
+  if pairs is None:
+    raise ValueError(f"{field}={value!r} is not valid; valid: None, {_TILE_VALUES} or per-axis "
+                     "tiles {axis: tile}, e.g. {0: 128, 1: 128}")
+  if not pairs:
+    raise ValueError(f"{field}={{}} names no axis; use None for no tiles")
+  out = {}
+  for a, t in pairs:
+    if not _is_int(a):
+      raise ValueError(f"{field}={value!r}: axis {a!r} is not an int axis")
+    if a in out:
+      raise ValueError(f"{field}={value!r} names axis {a} twice")
+    if not (_is_int(t) and t > 0) and not _is_fraction(t):
+      raise ValueError(f"{field}={value!r}: the tile {t!r} of axis {a} is not valid; valid: "
+                       f"{_TILE_VALUES}")
+    out[int(a)] = int(t) if _is_int(t) else t
+  return tuple(sorted(out.items()))
+
+
+def is_per_axis(tile) -> bool:
+  """Whether a checked tile spec (:func:`check_tile`) is per-axis tiles (a tuple of pairs)."""
+  return isinstance(tile, tuple)
+
+
+def resolve_tile(tile: "int | float", size: int, what: str) -> int:
+  """The tile in elements along an axis of ``size``: an int as given, a fraction ``f`` as
+  ``round(size * f)`` (qwix's reading of a float tile); raises, naming ``what``, where it does
+  not divide ``size``."""
+  t = int(tile) if _is_int(tile) else int(round(size * tile))
+  if t <= 0 or size % t:
+    got = "" if _is_int(tile) else f" (round({size} * {tile!r}) = {t})"
+    divisors = [d for d in range(1, size + 1) if size % d == 0][-6:]
+    raise ValueError(f"{what}={tile!r}{got} does not divide the axis of size {size}; valid: a "
+                     f"divisor of {size} (e.g. {divisors})" +
+                     ("" if _is_int(tile) else " or a fraction 1 / n with n dividing it"))
+  return t
+
+
+def resolve_axis_tiles(tiles: tuple, shape, what: str) -> dict[int, int]:
+  """Per-axis tiles (pairs from :func:`check_tile`) on an array of ``shape``: ``{axis: tile in
+  elements}`` with axes made non-negative; raises naming ``what`` for an axis out of range or a
+  tile that does not divide its axis."""
+  nd = len(shape)
+  out = {}
+  for a, t in tiles:
+    if not -nd <= a < nd:
+      raise ValueError(f"{what}={dict(tiles)!r}: axis {a} is out of range for an operand of "
+                       f"shape {tuple(shape)}")
+    if a % nd in out:
+      raise ValueError(f"{what}={dict(tiles)!r} names axis {a % nd} of shape {tuple(shape)} twice")
+    out[a % nd] = resolve_tile(t, int(shape[a]), f"{what}[{a}]")
+  return out
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OperandQuant:
   """Forward quantization of one operand.
@@ -55,8 +148,16 @@ class OperandQuant:
     channelwise: one scale per index of every non-contracting axis (per row of
       activations, per output channel of weights); ``False``: one scale per
       tensor (per batch index for batch axes).
-    tile_size: group-wise scales along the last contracting axis, one per
-      ``tile_size`` values (must divide that axis). MX qtypes (``mxfp8``,
+    tile_size: group-wise scales along the contraction: an int, one scale per
+      ``tile_size`` values of the last contracting axis (must divide it); a
+      float in (0, 1], a fraction of that axis (``round(size * f)`` values:
+      ``0.25`` is 4 tiles, qwix's reading); or per-axis tiles ``{axis: tile}``
+      in the operand's own axes (each an int or a fraction): 2-D scales, e.g.
+      ``{0: 128, 1: 128}`` on a ``(K, N)`` weight is one scale per 128 x 128
+      block. With per-axis tiles a contracting axis not named is one group and
+      a free axis not named keeps one scale per index (none without
+      ``channelwise``); stored as a sorted tuple of ``(axis, tile)`` pairs.
+      MX qtypes (``mxfp8``,
       ``mxfp4``): None means their block of 32, and any other value raises
       (the block is the format's); they also need ``channelwise`` (an MX block
       is 32 values of one row). ``nf4`` here: None is per channel (the rules'
@@ -73,7 +174,7 @@ class OperandQuant:
   qtype: object
   calibration: qarray.Calibration | str = "absmax"
   channelwise: bool = True
-  tile_size: int | None = None
+  tile_size: int | float | Mapping[int, int | float] | None = None
   estimator: str = "ste"
   scale_grad: str = "lsq"
   axis_names: tuple[str, ...] = ()
@@ -82,8 +183,11 @@ class OperandQuant:
     object.__setattr__(self, "qtype", qtypes.get_qtype(self.qtype))
     object.__setattr__(self, "calibration", qarray.as_calibration(self.calibration))
     qt: qtypes.QType = self.qtype  # type: ignore[assignment]
-    if self.tile_size is not None and (not isinstance(self.tile_size, int) or self.tile_size <= 0):
-      raise ValueError(f"tile_size={self.tile_size!r} must be a positive int or None")
+    object.__setattr__(self, "tile_size", check_tile(self.tile_size, "tile_size"))
+    if qt.is_mx and is_per_axis(self.tile_size):
+      raise ValueError(f"tile_size={dict(self.tile_size)!r} with qtype {qt.name!r}: an MX block "
+                       f"is {qt.block_size} values of one row along the contraction (None or "
+                       f"{qt.block_size}), not per-axis tiles")
     qtypes.check_tile_size(qt, self.tile_size)
     if qt.is_mx:
       object.__setattr__(self, "tile_size", qt.block_size)
@@ -116,14 +220,23 @@ class GradQuant:
       and the power of two the residual's scale is folded with, are then those of the whole
       array, as on one device (see :attr:`qtrain.core.qarray.QuantizeSpec.axis_names`).
       Empty: per shard.
+    tile_size: group-wise scales of the gradient along this product's contraction (qwix's
+      ``dlhs_tile_size`` / ``drhs_tile_size``): an int, one scale per ``tile_size`` values of
+      the product's last contracting axis (in the weight gradient's product that is the last
+      batch / token axis; in the input gradient's, the last output feature axis), a float in
+      (0, 1] (a fraction of that axis), or per-axis tiles ``{axis: tile}`` in the gradient's
+      own axes (the op's output axes). A contracting axis not tiled is one group; the other
+      axes keep one scale per index. None (default): per channel.
   """
 
   qtype: object
   calibration: qarray.Calibration | str = "absmax"
   stochastic_rounding: str | None = None
   axis_names: tuple[str, ...] = ()
+  tile_size: int | float | Mapping[int, int | float] | None = None
 
   def __post_init__(self):
+    object.__setattr__(self, "tile_size", check_tile(self.tile_size, "GradQuant.tile_size"))
     object.__setattr__(self, "qtype", qtypes.get_qtype(self.qtype))
     object.__setattr__(self, "calibration", qarray.as_calibration(self.calibration))
     if self.calibration.is_asymmetric:  # type: ignore[union-attr]
@@ -185,5 +298,9 @@ class ConvGeneralQtConfig(DotGeneralQtConfig):
         raise ValueError(f"{name}.qtype={v.qtype.name!r}: an MX qtype needs blocks of "
                          f"{v.qtype.block_size} along a contracting axis, and convolutions take "
                          "no tile_size; use it on dot_general / einsum ops")
+      if v is not None and v.tile_size is not None:
+        raise ValueError(f"{name}.tile_size={v.tile_size}: convolutions take no tile_size")
+    for name in ("dlhs_grad", "drhs_grad"):
+      v = getattr(self, name)
       if v is not None and v.tile_size is not None:
         raise ValueError(f"{name}.tile_size={v.tile_size}: convolutions take no tile_size")

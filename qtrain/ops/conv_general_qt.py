@@ -69,7 +69,7 @@ from qtrain.ops import config as cfg_lib
 from qtrain.ops import dispatch
 from qtrain.ops import im2col
 from qtrain.ops import qt_operand as dqt
-from qtrain.ops.dot_general_qt import backward_product
+from qtrain.ops.dot_general_qt import _with_zero_point, backward_product
 
 
 def _conv(lhs, rhs, p, preferred_element_type):
@@ -302,6 +302,8 @@ def conv_general_qt(
     key: jax.Array | None = None,
     lhs_scale: jax.Array | None = None,
     rhs_scale: jax.Array | None = None,
+    lhs_zero_point: jax.Array | None = None,
+    rhs_zero_point: jax.Array | None = None,
 ) -> jax.Array:
   """Quantized-training ``jax.lax.conv_general_dilated`` (same positional args).
 
@@ -312,6 +314,8 @@ def conv_general_qt(
     config: a :class:`~qtrain.ops.config.ConvGeneralQtConfig`.
     key: PRNG key for stochastic rounding of gradients.
     lhs_scale, rhs_scale: optional static or learned scales.
+    lhs_zero_point, rhs_zero_point: the zero point of a passed-in scale (an asymmetric static
+      scale; integer qtypes), as :func:`~qtrain.ops.dot_general_qt.dot_general_qt` takes it.
 
   The arguments are checked as :func:`jax.lax.conv_general_dilated` checks
   them (shapes, layouts, feature counts), before anything is quantized. An
@@ -351,6 +355,8 @@ def conv_general_qt(
       jax.ShapeDtypeStruct(jnp.shape(rhs), jnp.float32)).shape
   dqt.check_given_scale(config.lhs, lhs_scale, "lhs")
   dqt.check_given_scale(config.rhs, rhs_scale, "rhs")
+  lhs_scale = _with_zero_point(lhs_scale, lhs_zero_point, "lhs")
+  rhs_scale = _with_zero_point(rhs_scale, rhs_zero_point, "rhs")
   if jnp.size(lhs) == 0 or jnp.size(rhs) == 0:
     return jnp.zeros(out_shape, out_dtype)
   return _conv_qt(lhs, rhs, lhs_scale, rhs_scale, dqt.as_key(key), _Static(p), config, out_dtype,

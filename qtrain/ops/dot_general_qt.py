@@ -195,7 +195,7 @@ def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, k
       folded = _fold_scale(g, y_res, dims, swap_ans, x_kept, gq.axis_names)
       if folded is not None:
         g_in, y_in = folded
-    g_in = quantize_grad(g_in, gq, g_free, key)
+    g_in = quantize_grad(g_in, gq, g_free, key, dims[0][0])
   ctype = compute_dtype(g.dtype, y_dtype if y_dtype is not None else jnp.float32)
   r = dispatch.quantized_dot_general(g_in, y_in, dims, preferred_element_type=out_dtype,
                                      implementation=implementation, compute_dtype=ctype)
@@ -307,19 +307,30 @@ def merge_tiled_contraction(lhs, rhs, dn, tile_sizes, lhs_scale=None, rhs_scale=
 
   ``tile_sizes``: ``(lhs tile_size, rhs tile_size)``, None where untiled (the
   config's; :mod:`qtrain.freeze` passes the frozen weight's, so frozen layers
-  group their weights exactly as the op does).
+  group their weights exactly as the op does). A fraction is of the whole
+  contraction; per-axis tiles (``{axis: tile}``) name the operand's own axes
+  and merge nothing.
 
   Returns ``(lhs, rhs, dn, lhs_scale, rhs_scale)``, unchanged when there is
   nothing to merge. Raises ValueError when a tile does not divide the contraction.
   """
   (lc, rc), (lb, rb) = dn
-  tiled = [(n, t) for n, t in zip(("lhs", "rhs"), tile_sizes) if t]
+  tiled = [(n, t) for n, t in zip(("lhs", "rhs"), tile_sizes)
+           if t and not cfg_lib.is_per_axis(t)]
   if not tiled or len(lc) < 2:
     return lhs, rhs, dn, lhs_scale, rhs_scale
+  per_axis = [n for n, t in zip(("lhs", "rhs"), tile_sizes) if cfg_lib.is_per_axis(t)]
+  if per_axis:
+    raise ValueError(
+        f"config.{per_axis[0]}.tile_size={dict(tile_sizes[per_axis[0] == 'rhs'])!r} (per-axis "
+        f"tiles) with config.{tiled[0][0]}.tile_size={tiled[0][1]!r} on a contraction of "
+        f"{len(lc)} axes: the latter merges the contraction into one axis, which renumbers the "
+        "former's axes; give both operands per-axis tiles, or neither")
   sizes = tuple(int(jnp.shape(lhs)[a]) for a in lc)
   k = int(np.prod(sizes))
   for name, tile in tiled:
-    if k % tile:
+    t = int(round(k * tile)) if isinstance(tile, float) else tile
+    if t <= 0 or k % t:
       raise ValueError(
           f"config.{name}.tile_size={tile} does not divide the contraction of size {k} "
           f"(contracting axes {tuple(lc) if name == 'lhs' else tuple(rc)} of {name} shape "
@@ -335,6 +346,16 @@ def merge_tiled_contraction(lhs, rhs, dn, tile_sizes, lhs_scale=None, rhs_scale=
   return lhs, rhs, (((l_axis,), (r_axis,)), (lb, rb)), lhs_scale, rhs_scale
 
 
+def _with_zero_point(scale, zero_point, what: str):
+  """The scale argument the custom_vjp carries: the scale, or ``(scale, zero point)``."""
+  if zero_point is None:
+    return scale
+  if scale is None:
+    raise ValueError(f"{what}_zero_point was given without {what}_scale (a zero point belongs "
+                     "to a passed-in scale)")
+  return (scale, zero_point)
+
+
 def dot_general_qt(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -346,6 +367,8 @@ def dot_general_qt(
     key: jax.Array | None = None,
     lhs_scale: jax.Array | None = None,
     rhs_scale: jax.Array | None = None,
+    lhs_zero_point: jax.Array | None = None,
+    rhs_zero_point: jax.Array | None = None,
 ) -> jax.Array:
   """Quantized-training ``jax.lax.dot_general``.
 
@@ -375,6 +398,10 @@ def dot_general_qt(
       config asks for stochastic rounding).
     lhs_scale, rhs_scale: optional scales to use instead of calibrating
       (static or learned; they receive gradients per ``scale_grad``).
+    lhs_zero_point, rhs_zero_point: the zero point of a passed-in scale (an
+      asymmetric static scale, e.g. from ``minmax``; integer qtypes): the
+      operand is quantized as ``round(x / scale) + zero_point``, clipped to the
+      qtype. Shaped like the scale; rounded to integers; no gradient.
 
   Returns:
     ``dot_general(lhs, rhs)`` computed with quantized operands.
@@ -391,19 +418,41 @@ def dot_general_qt(
                                         lhs_shape=jnp.shape(lhs), rhs_shape=jnp.shape(rhs))
   if config.needs_key and key is None:
     raise ValueError("config asks for stochastic_rounding in dlhs_grad/drhs_grad: pass key=")
+  tiles = tuple(None if oq is None else oq.tile_size for oq in (config.lhs, config.rhs))
+  if lhs_zero_point is not None or rhs_zero_point is not None:  # merged as the scales are
+    _, _, _, lhs_zero_point, rhs_zero_point = merge_tiled_contraction(
+        lhs, rhs, dn, tiles, lhs_zero_point, rhs_zero_point)
   lhs, rhs, dn, lhs_scale, rhs_scale = merge_tiled_contraction(
-      lhs, rhs, dn, tuple(None if oq is None else oq.tile_size for oq in (config.lhs, config.rhs)),
-      lhs_scale, rhs_scale)
+      lhs, rhs, dn, tiles, lhs_scale, rhs_scale)
   for name, oq, x, c in (("lhs", config.lhs, lhs, dn[0][0]), ("rhs", config.rhs, rhs, dn[0][1])):
-    if oq is not None and oq.tile_size:
+    if oq is not None and cfg_lib.is_per_axis(oq.tile_size):
+      cfg_lib.resolve_axis_tiles(oq.tile_size, jnp.shape(x), f"config.{name}.tile_size")
+    elif oq is not None and oq.tile_size:
       if not c:
         raise ValueError(f"config.{name}.tile_size={oq.tile_size} but the op contracts no axis")
       n = jnp.shape(x)[c[-1]]
-      if n % oq.tile_size:
+      t = int(round(n * oq.tile_size)) if isinstance(oq.tile_size, float) else oq.tile_size
+      if t <= 0 or n % t:
         raise ValueError(f"config.{name}.tile_size={oq.tile_size} does not divide the contracting "
                          f"axis of size {n} (shape {jnp.shape(x)})")
+  out_shape = qdot.output_shape(jnp.shape(lhs), jnp.shape(rhs), dn)
+  for name, gq in (("dlhs_grad", config.dlhs_grad), ("drhs_grad", config.drhs_grad)):
+    if gq is not None and cfg_lib.is_per_axis(gq.tile_size):
+      cfg_lib.resolve_axis_tiles(gq.tile_size, out_shape, f"config.{name}.tile_size")
+    elif gq is not None and gq.tile_size is not None:
+      # The product's last contracting axis of g: rhs's last free axis (dlhs), lhs's (drhs).
+      nb = len(dn[1][0])
+      nl = len(qdot.free_axes(jnp.ndim(lhs), dn[0][0], dn[1][0]))
+      axes = (tuple(range(nb + nl, len(out_shape))) if name == "dlhs_grad" else
+              tuple(range(nb, nb + nl)))
+      if not axes:
+        raise ValueError(f"config.{name}.tile_size={gq.tile_size} but that backward product "
+                         f"contracts no axis of the gradient (output shape {out_shape})")
+      cfg_lib.resolve_tile(gq.tile_size, out_shape[axes[-1]], f"config.{name}.tile_size")
   check_given_scale(config.lhs, lhs_scale, "lhs")
   check_given_scale(config.rhs, rhs_scale, "rhs")
+  lhs_scale = _with_zero_point(lhs_scale, lhs_zero_point, "lhs")
+  rhs_scale = _with_zero_point(rhs_scale, rhs_zero_point, "rhs")
   if jnp.size(lhs) == 0 or jnp.size(rhs) == 0:
     return jnp.zeros(qdot.output_shape(jnp.shape(lhs), jnp.shape(rhs), dn), out_dtype)
   shapes = (tuple(jnp.shape(lhs)), tuple(jnp.shape(rhs)), jnp.result_type(lhs), jnp.result_type(rhs),

@@ -79,13 +79,38 @@ def check_given_scale(oq, given_scale, what: str) -> None:
     raise ValueError(f"{what}_scale was given but config.{what} is None (the operand is float)")
 
 
+def tiles_of(tile, shape, channel_axes: tuple[int, ...], tile_axis: int | None, what: str
+             ) -> tuple[tuple[int, ...], dict[int, int]]:
+  """(channelwise axes, ``{axis: tile}``) of an operand of ``shape`` whose scales are per index
+  of ``channel_axes`` and tiled per ``tile`` (:func:`qtrain.ops.config.check_tile`): an int or a
+  fraction along ``tile_axis``, or per-axis tiles (a tiled axis is no longer channelwise)."""
+  if tile is None:
+    return tuple(channel_axes), {}
+  if cfg_lib.is_per_axis(tile):
+    tiles = cfg_lib.resolve_axis_tiles(tile, shape, what)
+    return tuple(a for a in channel_axes if a not in tiles), tiles
+  if tile_axis is None:
+    return tuple(channel_axes), {}
+  return tuple(channel_axes), {tile_axis: cfg_lib.resolve_tile(tile, int(shape[tile_axis]), what)}
+
+
 def operand_spec(oq: cfg_lib.OperandQuant, ndim: int, channel_axes: tuple[int, ...],
-                 tile_axis: int | None) -> qa.QuantizeSpec:
-  """The QuantizeSpec of a forward operand."""
+                 tile_axis: int | None, *, shape=None) -> qa.QuantizeSpec:
+  """The QuantizeSpec of a forward operand (``shape``: the operand's, needed for a fractional
+  or per-axis ``tile_size``)."""
+  cw, tiles = (tuple(channel_axes), {})
+  if oq.tile_size is not None:
+    if shape is None:
+      if isinstance(oq.tile_size, int) and tile_axis is not None:
+        tiles = {tile_axis: oq.tile_size}
+      elif not isinstance(oq.tile_size, int):
+        raise ValueError(f"operand_spec: tile_size={oq.tile_size!r} needs the operand's shape=")
+    else:
+      cw, tiles = tiles_of(oq.tile_size, shape, cw, tile_axis, "tile_size")
   return qa.QuantizeSpec(
       qtype=oq.qtype,
-      channelwise_axes=channel_axes if oq.channelwise else (),
-      tiled_axes={tile_axis: oq.tile_size} if (oq.tile_size and tile_axis is not None) else {},
+      channelwise_axes=cw if oq.channelwise else (),
+      tiled_axes=tiles,
       calibration=oq.calibration,
       axis_names=oq.axis_names,
   )
@@ -110,19 +135,42 @@ class OperandResidual:
   value: Any            # QArray (quantized operand) or the float operand
   mask: Any             # bool array where the gradient passes, or None
   x: Any                # float operand, only for an LSQ-learned scale
-  given_scale: Any      # the passed-in scale (its original shape), or None
+  given_scale: Any      # the passed-in scale (its original shape), or None; with a zero
+                        # point, the pair (scale, zero point)
+
+
+def split_given(given_scale):
+  """``(scale, zero point or None)`` of a passed-in scale (a pair where a zero point came with
+  it: an asymmetric static scale)."""
+  if isinstance(given_scale, tuple):
+    return given_scale
+  return given_scale, None
+
+
+def as_zero_point(zp, shape, what: str, qt) -> jax.Array:
+  """A passed-in zero point, reshaped like :func:`as_scale`: integral values in [qmin, qmax]
+  (rounded and clipped there)."""
+  if qt.kind != "int":
+    raise ValueError(f"{what} was given for qtype {qt.name!r}: a zero point needs an integer "
+                     "qtype (asymmetric quantization)")
+  z = as_scale(zp, shape, what)
+  return jnp.clip(jnp.round(z), qt.qmin, qt.qmax)
 
 
 def quantize_operand(x, oq, given_scale, channel_axes, tile_axis, what) -> OperandResidual:
-  """Quantizes one forward operand (or keeps it float) and builds its residual."""
+  """Quantizes one forward operand (or keeps it float) and builds its residual.
+  ``given_scale``: None (calibrated), a scale, or ``(scale, zero point)``."""
   check_given_scale(oq, given_scale, what)
   if oq is None:
     return OperandResidual(value=x, mask=None, x=None, given_scale=None)
-  spec = operand_spec(oq, x.ndim, channel_axes, tile_axis)
+  spec = operand_spec(oq, x.ndim, channel_axes, tile_axis, shape=x.shape)
   if given_scale is None:
     q = qa.quantize(x, spec)
   else:
-    q = qa.quantize_with_scale(x, oq.qtype, as_scale(given_scale, x.shape, f"{what}_scale"))
+    scale, zp = split_given(given_scale)
+    if zp is not None:
+      zp = as_zero_point(zp, x.shape, f"{what}_zero_point", oq.qtype)
+    q = qa.quantize_with_scale(x, oq.qtype, as_scale(scale, x.shape, f"{what}_scale"), zp)
   full_scale = qa.expand_scale(q.scale, x.shape)
   zp = None if q.zero_point is None else qa.expand_scale(q.zero_point, x.shape)
   mask = estimators.pass_mask(oq.estimator, x, full_scale, qmax=q.qtype.qmax,
@@ -136,21 +184,40 @@ def finish_operand_grad(x_bar, res: OperandResidual, oq, dtype):
   scale_bar = None
   if res.given_scale is not None:
     q: qa.QArray = res.value
+    given, given_zp = split_given(res.given_scale)
     full = qa.expand_scale(q.scale, q.shape)
     if oq.scale_grad == "lsq":
-      sb = estimators.lsq_scale_grad(x_bar, res.x, qa.values_of(q), q.scale, full,
-                                     qmin=q.qtype.qmin, qmax=q.qtype.qmax)
+      if q.zero_point is None:
+        sb = estimators.lsq_scale_grad(x_bar, res.x, qa.values_of(q), q.scale, full,
+                                       qmin=q.qtype.qmin, qmax=q.qtype.qmax)
+      else:  # the grid is (codes - zp) * scale: LSQ's rule on the shifted codes and bounds
+        z = qa.expand_scale(q.zero_point, q.shape)
+        y = qa.divide_by_scale(res.x.astype(jnp.float32), q.scale)
+        v = qa.values_of(q) - z
+        inside = (y >= q.qtype.qmin - z) & (y <= q.qtype.qmax - z)
+        d = jnp.where(inside, v - y, v)
+        factor = 1.0 / jnp.sqrt(float(q.qvalue.size // max(q.scale.size, 1)) *
+                                float(max(q.qtype.qmax, 1.0)))
+        sb = estimators.reduce_to(x_bar.astype(jnp.float32) * d,
+                                  q.scale.shape).reshape(q.scale.shape) * factor
     else:
       masked = x_bar if res.mask is None else jnp.where(res.mask, x_bar, 0)
       sb = estimators.bitorch_scale_grad(masked, q.qvalue, q.scale)
-    scale_bar = sb.reshape(jnp.shape(res.given_scale)).astype(jnp.result_type(res.given_scale))
+    scale_bar = sb.reshape(jnp.shape(given)).astype(jnp.result_type(given))
+    if given_zp is not None:  # a zero point takes no gradient (integral)
+      scale_bar = (scale_bar, jnp.zeros(jnp.shape(given_zp), jnp.result_type(given_zp)))
   if res.mask is not None:
     x_bar = jnp.where(res.mask, x_bar, 0)
   return x_bar.astype(dtype), scale_bar
 
 
-def quantize_grad(g, gq: cfg_lib.GradQuant, channel_axes, key):
-  spec = qa.QuantizeSpec(qtype=gq.qtype, channelwise_axes=channel_axes,
+def quantize_grad(g, gq: cfg_lib.GradQuant, channel_axes, key, contract_axes=()):
+  """The incoming gradient quantized per ``gq``: one scale per index of ``channel_axes`` (its
+  axes kept by the product), tiled per ``gq.tile_size`` (an int or a fraction along the last of
+  ``contract_axes``, or per-axis tiles in ``g``'s axes)."""
+  cw, tiles = tiles_of(gq.tile_size, jnp.shape(g), tuple(channel_axes),
+                       contract_axes[-1] if contract_axes else None, "GradQuant.tile_size")
+  spec = qa.QuantizeSpec(qtype=gq.qtype, channelwise_axes=cw, tiled_axes=tiles,
                          calibration=gq.calibration, stochastic_rounding=gq.stochastic_rounding,
                          axis_names=gq.axis_names)
   return qa.quantize(g, spec, key=key)
@@ -159,9 +226,11 @@ def quantize_grad(g, gq: cfg_lib.GradQuant, channel_axes, key):
 varying_axes = _lax.varying_axes
 
 
-def operand_axes(*operands) -> tuple[frozenset, ...]:
-  """:func:`varying_axes` of each operand: what a QT op's backward must give back."""
-  return tuple(varying_axes(x) for x in operands)
+def operand_axes(*operands) -> tuple:
+  """:func:`varying_axes` of each operand (of each part of a ``(scale, zero point)`` pair):
+  what a QT op's backward must give back."""
+  return tuple(tuple(varying_axes(v) for v in x) if isinstance(x, tuple) else varying_axes(x)
+               for x in operands)
 
 
 def typed_like_operands(cotangents, axes: tuple[frozenset, ...]) -> tuple:
@@ -182,6 +251,8 @@ def match_varying(ct, axes: frozenset):
   """
   if ct is None:
     return None
+  if isinstance(ct, tuple):  # a (scale, zero point) pair's cotangents
+    return tuple(match_varying(c, a) for c, a in zip(ct, axes, strict=True))
   have = varying_axes(ct)
   extra = tuple(sorted(have - axes))
   if extra:
