@@ -244,3 +244,116 @@ def test_stochastic_rounding_unbiased(qtype, method):
   sigma = np.sqrt(np.sum(p * (1 - p))) / N_SR
   bias = 1 / 512 if method.startswith("low_bit") else float(np.mean(2 * R.U32 * (np.abs(y) + 1) / step)) + 2.0 ** -23
   assert abs(d.mean()) <= 6 * sigma + bias, (d.mean(), sigma, bias)
+
+
+# ----------------------------------------------------------------------------
+# The value-set and MX qtypes (S.NEW_QTYPES: nf4, mxfp8, mxfp4): the same properties, with
+# budgets from each format. A value-set element rounds to the nearest value of its table (or,
+# stochastically, to one of the two around it), so its error is at most half (one) the largest
+# gap between neighbouring values, times the scale; mxfp8's elements are e4m3's grid up to 448.
+
+
+def _element_values(qt: qtypes.QType) -> np.ndarray:
+  """The values an element of ``qt`` takes (before the scale), sorted."""
+  if qt.is_lut:
+    return np.unique(np.asarray(qt.values, np.float64))
+  g = _fp8_grid(qtypes.get_qtype("float8_e4m3fn"))
+  return g[np.abs(g) <= qt.qmax]
+
+
+def max_gap(qt: qtypes.QType) -> float:
+  """The largest gap between neighbouring element values of ``qt``."""
+  return float(np.max(np.diff(_element_values(qt))))
+
+
+@st.composite
+def new_qtype_cases(draw):
+  name = draw(st.sampled_from(S.NEW_QTYPES))
+  qt = qtypes.get_qtype(name)
+  dtype = draw(st.sampled_from(S.FLOAT_DTYPES))
+  v = draw(S.values(nonfinite=True))
+  # Blocks along one axis: the format's (MX: 32, every other axis channelwise) or, for nf4,
+  # any tile of it, channelwise or not.
+  block = qt.block_size if qt.is_mx else draw(st.sampled_from([qt.block_size, 16, 8]))
+  lead = draw(st.lists(st.integers(0 if draw(st.integers(0, 7)) == 0 else 1, 3),
+                       min_size=0, max_size=2))
+  axis = draw(st.integers(0, len(lead)))
+  shape = list(lead)
+  shape.insert(axis, block * draw(st.integers(1, 3)))
+  others = tuple(a for a in range(len(shape)) if a != axis)
+  cw = others if qt.is_mx else draw(st.sampled_from([others, ()]))
+  sr = draw(st.sampled_from([None, None, "uniform", "low_bit_uniform", "low_bit_hash"]))
+  spec = qarray.QuantizeSpec(qtype=qt, channelwise_axes=cw, tiled_axes={axis: block},
+                             stochastic_rounding=sr)
+  return dtype, tuple(shape), v, spec
+
+
+def check_quantize_new(dtype, shape, v, spec) -> None:
+  qt: qtypes.QType = spec.qtype
+  sr = spec.stochastic_rounding
+  x = S.make(v, shape, dtype)
+  q, deq = _quantize(jnp.asarray(x), jax.random.key(v.seed) if sr else None, spec=spec)
+  cw, tiles = R.normalize_grid(shape, spec.channelwise_axes, spec.tiled_axes)
+  scale_shape = tuple(n // tiles[a] if a in tiles else (n if a in cw else 1)
+                      for a, n in enumerate(shape))
+  hypothesis.note(f"x = {x!r}; scale = {np.asarray(q.scale)!r}")
+  assert q.qvalue.shape == shape and q.scale.shape == scale_shape
+  x64, s, d = R.f64(x), R.f64(q.scale), R.f64(deq)
+  finite_g = R.group_reduce(np.isfinite(x64), cw, tiles, np.all)
+  zero_g = R.group_reduce(x64 == 0, cw, tiles, np.all)
+  amax = R.group_reduce(np.where(np.isfinite(x64), np.abs(x64), 0.0), cw, tiles, np.max) \
+      if x64.size else np.zeros(scale_shape)
+  # Scales: nf4's is the group's absmax (1 for an all-zero group); MX's a power of two 2**k,
+  # k in [-126, 127], with absmax / 2**k below the element grid's top midpoint (so nothing
+  # rounds past half a step) unless k is clamped.
+  fs, fz, fa = s[finite_g], zero_g[finite_g], amax[finite_g]
+  assert np.all(np.isfinite(fs)) and np.all(fs > 0)
+  if qt.is_mx:
+    m, e = np.frexp(fs)
+    assert np.all(m == 0.5) and np.all((e - 1 >= -126) & (e - 1 <= 127)), fs
+    top = qt.qmax + max_gap(qt) / 2
+    ratio = fa / fs
+    assert np.all((ratio < top) | (fs == 2.0 ** 127)), ratio
+  else:
+    np.testing.assert_array_equal(fs[~fz], np.maximum(fa[~fz].astype(np.float32), R.TINY32))
+    assert np.all(fs[fz] == 1.0)
+  # Values: NaN exactly in groups holding NaN/Inf; elsewhere on the grid and within budget.
+  finite_e = R.expand(finite_g, shape)
+  assert np.all(np.isnan(d[~finite_e]))
+  if not finite_e.any():
+    return
+  vals = _element_values(qt)
+  y = R.f64(qarray.values_of(q))[finite_e]
+  assert np.all(np.isin(y, vals)), "a code outside the format's values"
+  se, xe, de = R.expand(s, shape)[finite_e], x64[finite_e], d[finite_e]
+  assert np.all(np.isfinite(de))
+  gap = max_gap(qt)
+  budget = (gap if sr else gap / 2) * se
+  slack = 2.0 ** -22 * (np.abs(xe) + np.abs(de)) + 2.0 ** -22 * se  # float32 roundings
+  err = np.abs(de - xe)
+  bad = err > budget + slack
+  assert not bad.any(), (f"{int(bad.sum())} elements beyond (max gap {gap} / "
+                         f"{1 if sr else 2}) * scale: x={xe[bad][:4]}, x_hat={de[bad][:4]}, "
+                         f"scale={se[bad][:4]}")
+
+
+@FAST
+@hypothesis.given(case=new_qtype_cases())
+def test_quantize_new_qtypes(case):
+  check_quantize_new(*case)
+
+
+@pytest.mark.slow
+@DEEP
+@hypothesis.given(case=new_qtype_cases())
+def test_quantize_new_qtypes_deep(case):
+  check_quantize_new(*case)
+
+
+def test_new_qtype_max_gaps():
+  """The budgets' gaps, from the tables: nf4's widest step is between its bottom two values
+  (-1 and -0.696), mxfp4's between 4 and 6, mxfp8's between 416 and 448."""
+  nf4 = np.sort(np.asarray(qtypes.get_qtype("nf4").values, np.float64))
+  assert max_gap(qtypes.get_qtype("nf4")) == nf4[1] - nf4[0]
+  assert max_gap(qtypes.get_qtype("mxfp4")) == 2.0
+  assert max_gap(qtypes.get_qtype("mxfp8")) == 32.0
