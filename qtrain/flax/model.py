@@ -609,7 +609,7 @@ def _warn_no_hook(provider, user_modules, flax_layers):
     provider.warn_once(("nnx-no-hook", tuple(p for p, _, _ in user_modules)),
                        f"qtrain: nnx modules {listing}{more} have parameters and match rules: "
                        "their direct jnp.einsum / jax.lax.dot_general / conv_general_dilated / "
-                       "@ / jnp.matmul / jnp.dot calls are quantized by ops that quantize_model's sample forward "
+                       "ragged_dot / @ / jnp.matmul / jnp.dot calls are quantized by ops that quantize_model's sample forward "
                        "creates, and none was given: such a call raises when the model runs "
                        "(pass sample inputs, quantize_model(model, provider, *sample_args))",
                        stacklevel=5)
@@ -648,7 +648,7 @@ def _quantize_nnx(model, provider, sample_args, sample_kwargs, rngs):
     if hook is None:
       if _owns_params(node) and (isinstance(node, _FLAX_OP_LAYERS) or not _is_flax_layer(node)):
         hit = [i for i, r in enumerate(provider.rules) if r.active and
-               any(r.matches(pstr, o) for o in ("dot_general", "einsum", "conv_general_dilated"))]
+               any(r.matches(pstr, o) for o in rules_lib.OP_NAMES)]
         if hit:
           (flax_layers if _is_flax_layer(node) else user_modules).append((pstr, node, hit[0]))
       continue

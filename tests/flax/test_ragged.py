@@ -269,6 +269,17 @@ class TestNnx:
       freeze.freeze(model)
 
 
+  def test_a_ragged_dot_rule_without_sample_inputs_warns(self):
+    # quantize_model cannot see a user module's direct calls without a sample forward: a rule
+    # for ragged_dot alone must warn as one for the other ops does (such a call raises later).
+    with warnings.catch_warnings(record=True) as rec:
+      warnings.simplefilter("always")
+      qtrain.quantize_model(NnxMoe(nnx.Rngs(0)), qtrain.QtProvider(
+          [qtrain.QtRule(module_path=".*", op_names=("ragged_dot",), weight_qtype="int8")]))
+    msgs = [str(w.message) for w in rec if "pass sample inputs" in str(w.message)]
+    assert len(msgs) == 1 and "ragged_dot" in msgs[0] and "rules[0]" in msgs[0], msgs
+
+
 # ---------------------------------------------------------------------------
 # jax.lax.dot, x.dot(w), jnp.vdot: dot_general ops of a user's module, like jnp.dot.
 
