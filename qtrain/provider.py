@@ -644,6 +644,12 @@ class QtProvider:
         w = jnp.transpose(rhs, (gax, cax, 3 - gax - cax))
       act, act_scale = lhs, None
       if rule.act_qtype is not None and jnp.ndim(lhs) == 2:
+        if rule.act_static_scale and rule.act_calibration_method.is_asymmetric:
+          raise NotImplementedError(
+              f"qtrain: rules[{m[0]}] (act_static_scale=True, act_calibration_method="
+              f"{rule.act_calibration_method.method!r}) matches ragged_dot in module {path!r}: "
+              "asymmetric (zero-point) static scales are not built for ragged_dot; use a "
+              "symmetric calibration (e.g. 'absmax') for it, or keep it float with a rule")
         act, act_scale = self._act_state(host, rule, lhs, (1,))
       cfg = cfg_lib.DotGeneralQtConfig(
           lhs=self._operand(rule, weight=False, given_scale=act_scale is not None, conv=False),

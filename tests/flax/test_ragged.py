@@ -386,3 +386,18 @@ def test_vdot_of_vectors_is_jnp_dot_and_other_ranks_stay_float():
       ("dot_general2", "float: unsupported form")]
   assert any("dot_general in module ''" in m and "unsupported form" in m
              for m in _qwarnings(rec)), _qwarnings(rec)
+
+
+def test_static_minmax_activation_scales_raise_on_ragged_dot():
+  # ragged_dot_qt takes a symmetric given scale only: a (scale, zero point) pair must not reach it.
+  class Moe(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      w = self.param("w", nn.initializers.lecun_normal(), (2, 8, 4))
+      return jax.lax.ragged_dot(x, w, jnp.array([10, 6], jnp.int32))
+
+  q = qtrain.quantize_model(Moe(), qtrain.QtProvider([qtrain.QtRule(
+      module_path=".*", weight_qtype="int8", act_qtype="int8", act_static_scale=True,
+      act_calibration_method="minmax")]))
+  with pytest.raises(NotImplementedError, match=r"rules\[0\].*'minmax'.*ragged_dot.*'absmax'"):
+    q.init(jax.random.key(1), jax.random.normal(jax.random.key(0), (16, 8)))
