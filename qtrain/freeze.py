@@ -295,6 +295,12 @@ def _from_record(rec, provider, module_params: Mapping, state: Mapping, where: s
     if rule.act_learnable_scale:
       scale_kind, scale_a = "given", need("act_scale", "a learned input scale")
     elif rule.act_static_scale:
+      if rule.act_calibration_method.is_asymmetric:
+        raise NotImplementedError(
+            f"freeze: layer {where!r}: its rule keeps an asymmetric static input scale "
+            f"(act_calibration_method={rule.act_calibration_method.method!r}: a scale and a "
+            "zero point), which frozen ops do not take yet; train with a symmetric static "
+            "calibration (e.g. 'absmax') to freeze this layer")
       s = need("act_static_scale", "a static input scale")
       count = need("act_static_count", "a static input scale")
       # Under tracing (nnx.eval_shape of a PTQ model) the count is not known: a template keeps

@@ -152,3 +152,17 @@ def test_rule_static_minmax_validation():
                   act_calibration_method="minmax")
   with pytest.raises(ValueError, match="act_learnable_scale=True with act_calibration_method"):
     qtrain.QtRule(act_qtype="int8", act_learnable_scale=True, act_calibration_method="minmax")
+
+
+def test_freeze_of_a_static_minmax_scale_raises_naming_the_layer():
+  # A frozen op takes no zero point: freezing must say so, not report missing state.
+  from qtrain import freeze
+  rule = qtrain.QtRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True,
+                       act_calibration_method="minmax")
+  provider = qtrain.QtProvider([rule])
+  qm = qtrain.quantize_model(_Dense(), provider)
+  x = jnp.asarray(np.random.default_rng(4).uniform(-1.0, 3.0, (10, 12)).astype(np.float32))
+  v = qm.init(jax.random.key(0), x)
+  _, stats = qm.apply(v, x, mutable="quant_stats")
+  with pytest.raises(NotImplementedError, match=r"'d .*asymmetric static input scale.*'minmax'.*'absmax'"):
+    freeze.freeze({**v, **stats}, provider)
