@@ -245,6 +245,8 @@ def _dispatch_dot_general(lhs, rhs, dimension_numbers, precision=None,
     return orig(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
   with sentinel():
     host, w = _site(f, "dot_general", op_id, (lhs, rhs))
+    # The weight is found by identity (an nnx Variable itself may be passed); the op gets arrays.
+    lhs, rhs = _as_array(lhs), _as_array(rhs)
     return f.provider.dot_general(
         host, f.path, op_id, lhs, rhs, dimension_numbers,
         precision, preferred_element_type, weight_operand=w, fallback=orig,
@@ -258,6 +260,7 @@ def _dispatch_einsum(subscripts, /, *operands, **kwargs):
     return orig(subscripts, *operands, **kwargs)
   with sentinel():
     host, w = _site(f, "einsum", op_id, operands)
+    operands = tuple(_as_array(o) for o in operands)
     return f.provider.einsum(host, f.path, op_id, subscripts, operands, kwargs,
                              weight_operand=w, fallback=orig)
 
@@ -273,6 +276,7 @@ def _dispatch_conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dil
                 **kwargs)
   with sentinel():
     host, w = _site(f, "conv_general_dilated", op_id, (lhs, rhs))
+    lhs, rhs = _as_array(lhs), _as_array(rhs)
     return f.provider.conv_general_dilated(
         host, f.path, op_id, lhs, rhs, window_strides, padding,
         lhs_dilation, rhs_dilation, dimension_numbers, feature_group_count, batch_group_count,

@@ -83,6 +83,28 @@ class TestSameAsLayers:
         ("", "einsum0", "quantized", "rhs"), ("", "dot_general0", "quantized", "rhs"),
         ("", "dot_general1", "quantized", "rhs")}
 
+  def test_the_variable_itself_as_operand_equals_its_value(self):
+    # jnp / lax accept an nnx Variable (its __jax_array__); the weight is found by identity and
+    # the op must get the array (the Variable reached the op and its type check failed).
+    class ByVariable(DirectMLP):
+      def __call__(self, x):
+        h = nnx.relu(jnp.einsum("bd,df->bf", x, self.w1))
+        h = nnx.relu(jax.lax.dot_general(h, self.w2, DN))
+        return h @ self.w3
+
+    d, _ = _pair()
+    v = ByVariable(nnx.Rngs(0))
+    for name in ("w1", "w2", "w3"):
+      getattr(v, name)[...] = getattr(d, name)[...]
+    qtrain.quantize_model(d, _provider(**W8A8G8), X)
+    p = _provider(**W8A8G8)
+    qtrain.quantize_model(v, p, X)
+    np.testing.assert_array_equal(nnx.jit(lambda m: m(X))(v), nnx.jit(lambda m: m(X))(d))
+    assert [(r.op_id, r.status, r.weight_operand) for r in sorted(p.records(),
+            key=lambda r: r.op_id)] == [("dot_general0", "quantized", "rhs"),
+                                        ("dot_general1", "quantized", "rhs"),
+                                        ("einsum0", "quantized", "rhs")]
+
   def test_one_op_per_call_site_in_the_models_state(self):
     d, _ = _pair()
     qtrain.quantize_model(d, _provider(**W8A8G8), X)
