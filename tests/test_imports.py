@@ -50,7 +50,7 @@ def layer(mod: str) -> str:
     return "api"
   if mod == "qtrain.qlayers":
     return "layers"
-  if mod == "qtrain.qwix":
+  if mod == "qtrain.qwix" or mod == "qtrain._qwix" or mod.startswith("qtrain._qwix."):
     return "compat"
   if mod in ("qtrain.freeze", "qtrain._frozen", "qtrain.lora"):
     return "export"
