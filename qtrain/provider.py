@@ -156,12 +156,29 @@ def _listing(items: Sequence[str], limit: int = 6) -> str:
   return f"[{shown}]{more}"
 
 
-def _out_sharding_error(op: str, path: str, out_sharding) -> NotImplementedError:
-  """The one error of a quantized op called with ``out_sharding`` (dot_general and einsum)."""
-  return NotImplementedError(
-      f"qtrain: {op} in module {path!r} was called with out_sharding={out_sharding!r}; quantized "
-      "ops do not take out_sharding (shard the inputs instead, or keep this op float with a rule "
-      f"that matches it first: QtRule(module_path={path!r}))")
+def _explicit_sharding() -> bool:
+  """Whether the context mesh (``jax.set_mesh``) has Explicit axes: then arrays carry their
+  sharding in their type and a product's output sharding is part of its result."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def _as_float_sharded(float_call: Callable, quantized: Callable, *args, out_sharding=None):
+  """``quantized(*args)`` with the output sharding the float op has (its ``out_sharding``, or
+  what explicit sharding infers; the float op's own error where it has none).
+
+  Under Explicit mesh axes every product inside the op would need its own output sharding (a
+  weight gradient contracts the sharded batch): the op runs with the axes Auto instead
+  (``jax.sharding.auto_axes``), partitioned as under ``jit``, and its result is cast to the
+  float op's sharding; the gradients come back in their operands' shardings.
+  """
+  want = getattr(jax.eval_shape(float_call, *args), "sharding", None)
+  if want is None:  # no mesh in context: the float op took out_sharding as a placement
+    out = quantized(*args)
+    if isinstance(out_sharding, jax.sharding.NamedSharding):
+      out = jax.lax.with_sharding_constraint(out, out_sharding)
+    return out
+  return jax.sharding.auto_axes(quantized, out_sharding=want.spec)(*args)
 
 
 class QtProvider:
@@ -451,10 +468,19 @@ class QtProvider:
     if weight_operand is None or weight_operand < 0:
       self._no_weight(path, op_id, op_name, m, weight_operand, shapes)
       return float_call()
+    if out_sharding is not None or _explicit_sharding():
+      with self._naming(m, op_name, path):
+        return _as_float_sharded(
+            lambda l, r: fallback(l, r, dimension_numbers, precision=precision,
+                                  preferred_element_type=preferred_element_type,
+                                  **({} if out_sharding is None else
+                                     {"out_sharding": out_sharding})),
+            lambda l, r: self.dot_general(
+                host, path, op_id, l, r, dimension_numbers, precision, preferred_element_type,
+                weight_operand=weight_operand, fallback=fallback, op_name=op_name,
+                record_shapes=record_shapes), lhs, rhs, out_sharding=out_sharding)
     with self._naming(m, op_name, path):
       rule = m[1]
-      if out_sharding is not None:
-        raise _out_sharding_error(op_name, path, out_sharding)
       dn = qdot.normalize_dimension_numbers(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
       if not rule.quantizes:  # an adapter on the float op
         self._rec(path, op_id, op_name, m, FLOAT_LORA, weight_operand, shapes,
@@ -519,8 +545,14 @@ class QtProvider:
     if weight_operand is None or weight_operand < 0:
       self._no_weight(path, op_id, "einsum", m, weight_operand, shapes)
       return fallback(subscripts, *operands, **kwargs)
-    if kwargs.get("out_sharding") is not None:  # as dot_general: raise, never quietly float
-      raise _out_sharding_error(f"einsum {subscripts!r}", path, kwargs["out_sharding"])
+    if kwargs.get("out_sharding") is not None or _explicit_sharding():
+      rest = {k: v for k, v in kwargs.items() if k != "out_sharding"}
+      with self._naming(m, "einsum", path):
+        return _as_float_sharded(
+            lambda *ops: fallback(subscripts, *ops, **kwargs),
+            lambda *ops: self.einsum(host, path, op_id, subscripts, ops, rest,
+                                     weight_operand=weight_operand, fallback=fallback),
+            *operands, out_sharding=kwargs.get("out_sharding"))
     plan = _einsum.parse(subscripts, *shapes) if len(operands) == 2 else None
     extra = {k: v for k, v in kwargs.items()
              if k not in ("precision", "preferred_element_type", "optimize", "_dot_general",
@@ -568,12 +600,23 @@ class QtProvider:
     if weight_operand != 1:
       self._no_weight(path, op_id, "conv_general_dilated", m, weight_operand, shapes)
       return float_call()
+    if out_sharding is not None or _explicit_sharding():
+      with self._naming(m, "conv_general_dilated", path):
+        return _as_float_sharded(
+            lambda l, r: fallback(l, r, window_strides, padding, lhs_dilation=lhs_dilation,
+                                  rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+                                  feature_group_count=feature_group_count,
+                                  batch_group_count=batch_group_count, precision=precision,
+                                  preferred_element_type=preferred_element_type,
+                                  **({} if out_sharding is None else
+                                     {"out_sharding": out_sharding})),
+            lambda l, r: self.conv_general_dilated(
+                host, path, op_id, l, r, window_strides, padding, lhs_dilation, rhs_dilation,
+                dimension_numbers, feature_group_count, batch_group_count, precision,
+                preferred_element_type, weight_operand=weight_operand, fallback=fallback),
+            lhs, rhs, out_sharding=out_sharding)
     with self._naming(m, "conv_general_dilated", path):
       rule = m[1]
-      if out_sharding is not None:
-        raise NotImplementedError(
-            f"qtrain: conv_general_dilated in module {path!r} was called with out_sharding=; "
-            "quantized ops do not take out_sharding")
       for name, weight in (("weight", True), ("act", False)):
         if rule.granularity(weight=weight)[1] is not None and \
             (rule.weight_qtype if weight else rule.act_qtype) is not None:
@@ -634,10 +677,17 @@ class QtProvider:
     if weight_operand != 1:
       self._no_weight(path, op_id, "ragged_dot", m, weight_operand, shapes)
       return float_call()
+    if out_sharding is not None or _explicit_sharding():
+      with self._naming(m, "ragged_dot", path):
+        return _as_float_sharded(
+            lambda *_: float_call(),  # the original call, its out_sharding included
+            lambda l, r, gs: self.ragged_dot(
+                host, path, op_id, l, r, gs, weight_operand=weight_operand,
+                float_call=float_call, precision=precision,
+                preferred_element_type=preferred_element_type, group_offset=group_offset,
+                rhs_layout=rhs_layout), lhs, rhs, group_sizes, out_sharding=out_sharding)
     with self._naming(m, "ragged_dot", path):
       rule = m[1]
-      if out_sharding is not None:
-        raise _out_sharding_error("ragged_dot", path, out_sharding)
       w = rhs
       if tuple(rhs_layout) != (0, 1) and jnp.ndim(rhs) == 3:  # to (G, K, N)
         gax, cax = rhs_layout

@@ -200,31 +200,34 @@ def test_threads_float_and_quantized_concurrently():
 
 
 @pytest.mark.parametrize("op", ["dot_general", "einsum", "matmul", "dot"])
-def test_out_sharding_on_a_quantized_op_raises_naming_the_module_and_the_way_out(op):
-  """Quantized ops do not take out_sharding: a call with one raises (never a quiet float op),
-  naming the module and the float rule that would keep it; with that rule first it runs float."""
+def test_out_sharding_on_a_quantized_op_is_taken_as_the_float_op_takes_it(op):
+  """A quantized op called with out_sharding runs quantized (never quietly float) and places
+  its result as the float op would; on one device, the numbers of the call without it.
+  Explicit-axes meshes: tests/test_explicit_sharding.py."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   out = NamedSharding(jax.make_mesh((1,), ("d",)), P())
 
   class M(nn.Module):
+    out_sharding: object = None
+
     @nn.compact
     def __call__(self, x):
       w = self.param("kernel", nn.initializers.normal(1.0), (8, 4))
+      kw = {} if self.out_sharding is None else {"out_sharding": self.out_sharding}
       if op == "einsum":
-        return jnp.einsum("bk,kn->bn", x, w, out_sharding=out)
+        return jnp.einsum("bk,kn->bn", x, w, **kw)
       if op in ("matmul", "dot"):
-        return getattr(jnp, op)(x, w, out_sharding=out)
-      return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), out_sharding=out)
+        return getattr(jnp, op)(x, w, **kw)
+      return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), **kw)
 
   x = jax.random.normal(jax.random.key(0), (2, 8))
   quant = qtrain.QtRule(weight_qtype="int8", act_qtype="int8")
-  model = qtrain.quantize_model(M(), qtrain.QtProvider([quant]))
-  with pytest.raises(NotImplementedError,
-                     match=rf"{'einsum' if op == 'einsum' else 'dot_general'}.*in module ''.*"
-                           r"out_sharding=NamedSharding.*"
-                           r"QtRule\(module_path=''\)"):
-    model.init(jax.random.key(1), x)
-  kept = qtrain.quantize_model(M(), qtrain.QtProvider([qtrain.QtRule(module_path=""), quant]))
-  with pytest.warns(UserWarning, match=r"rules\[1\].*matched no op"):  # the float rule takes it
-    v = kept.init(jax.random.key(1), x)
-  np.testing.assert_array_equal(np.asarray(kept.apply(v, x)), np.asarray(M().apply(v, x)))
+  p = qtrain.QtProvider([quant])
+  model = qtrain.quantize_model(M(out), p)
+  v = model.init(jax.random.key(1), x)
+  assert [r.status for r in p.records()] == ["quantized"]
+  y = model.apply(v, x)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(
+      qtrain.quantize_model(M(), qtrain.QtProvider([quant])).apply(v, x)))
+  assert not np.array_equal(np.asarray(y), np.asarray(M().apply(v, x)))  # quantized, not float
+  assert y.sharding.is_equivalent_to(out, y.ndim)
