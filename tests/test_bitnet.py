@@ -134,12 +134,14 @@ def test_per_operand_granularity_overrides_the_shared_fields():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(weight_qtype="int8", weight_granularity="per_token"),
-     r"weight_granularity='per_token'; valid: None, 'per_tensor', 'per_channel' or a positive int "
-     r"tile size \('per_token' is the other operand's name for the same layout: 'per_channel' here\)"),
+     r"weight_granularity='per_token'; valid: None, 'per_tensor', 'per_channel' or a tile \(a "
+     r"positive int, a fraction in \(0, 1\], per-axis tiles\) \('per_token' is the other "
+     r"operand's name for the same layout: 'per_channel' here\)"),
     (dict(act_qtype="int8", act_granularity="per_channel"),
      r"act_granularity='per_channel'.*'per_token' here"),
-    (dict(weight_qtype="int8", weight_granularity=0), r"weight_granularity=0; valid"),
-    (dict(weight_qtype="int8", weight_granularity=True), r"weight_granularity=True; valid"),
+    (dict(weight_qtype="int8", weight_granularity=0), r"weight_granularity=0 is not valid; valid"),
+    (dict(weight_qtype="int8", weight_granularity=True),
+     r"weight_granularity=True is not valid; valid"),
     (dict(weight_qtype="int8", weight_granularity="row"), r"weight_granularity='row'; valid"),
     (dict(weight_qtype="int8", act_granularity="per_token"),
      r"act_granularity='per_token' is set but act_qtype is None"),

@@ -116,9 +116,17 @@ def test_get_unused_rules_returns_the_given_rules_after_the_model_ran():
   assert len(got) == 2 and got[0] is unused and got[1] is wrong_op
 
 
+def test_fractional_and_backward_tiles_map_onto_the_qtrain_rule():
+  rule = qwix.to_qtrain_rule(qwix.QtRule(weight_qtype="int8", act_qtype="int8", bwd_qtype="int8",
+                                         tile_size=0.25, bwd_weight_grad_tile_size=64))
+  assert (rule.tile_size, rule.bwd_weight_grad_tile_size, rule.bwd_act_grad_tile_size) == \
+      (0.25, 64, None)
+  # qwix reads a gradient's tile only where that gradient is quantized
+  assert qwix.to_qtrain_rule(qwix.QtRule(weight_qtype="int8", bwd_weight_grad_tile_size=64)
+                             ).bwd_weight_grad_tile_size is None
+
+
 @pytest.mark.parametrize("field, value, words", [
-    ("tile_size", 0.25, "fraction of the axis"),
-    ("bwd_weight_grad_tile_size", 64, "bwd_weight_grad_tile_size=64"),
     ("additional_qt_config", {"lhs": None}, "additional_qt_config"),
     ("act_batch_axes", (0, 1), "one per tensor"),
 ])
