@@ -138,6 +138,41 @@ def element_budget(x: np.ndarray, s: np.ndarray, zp: np.ndarray | None, qt: qtyp
   return center, s * steps + slack
 
 
+# The value-set and MX qtypes (nf4, mxfp8, mxfp4): an element rounds to the nearest value of
+# its format's set (nf4's 16 table values, e2m1's, e4m3's up to 448) times the scale, and a
+# value beyond the set's ends to its end. So |x_hat - clip(x)| <= (the largest gap between
+# neighbouring values) / 2 x scale: nf4 0.152 (between -1 and -0.696), mxfp4 1 (between 4 and
+# 6), mxfp8 16 (between 416 and 448). An MX block's e8m0 scale puts its absmax below the top
+# value plus half the top gap (464 / 7: e8m0_scale), so the clip there is within that too, and
+# an absmax nf4 scale puts every element inside [-1, 1]. The same budgets as
+# tests/core/test_quantize_props.py, which checks quantize against them.
+
+
+def element_values(qt: qtypes.QType) -> np.ndarray:
+  """The values an element of a value-set or MX qtype takes (before the scale), sorted."""
+  if qt.is_lut:
+    return np.unique(np.asarray(qt.values, np.float64))
+  bits = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+  g = np.unique(bits[np.isfinite(bits)])
+  return g[np.abs(g) <= qt.qmax]
+
+
+def max_gap(qt: qtypes.QType) -> float:
+  """The largest gap between neighbouring element values of a value-set / MX qtype."""
+  return float(np.max(np.diff(element_values(qt))))
+
+
+def value_set_error(x: np.ndarray, s: np.ndarray, qt: qtypes.QType) -> np.ndarray:
+  """Per element, a bound of ``|x_hat - x|`` for a value-set / MX qtype (``x``, ``s`` finite,
+  float64, ``s`` expanded to x's shape): inside [qmin s, qmax s] half the largest gap times the
+  scale; beyond it the clip itself (the end value is exact), at least that half gap (an MX
+  block's top lands up to half a gap above qmax); plus the float32 roundings of x / s and of
+  the table value times s (4 u of each side) and a flush (TINY32)."""
+  center = np.clip(x, qt.qmin * s, qt.qmax * s)
+  slack = 4 * U32 * (np.abs(x) + s * abs(qt.qmax)) + TINY32
+  return np.maximum(np.abs(center - x), max_gap(qt) / 2 * s) + slack
+
+
 def minmax_cap(qt: qtypes.QType) -> float:
   """The largest minmax scale: -qmin steps on each side of 0 finite in float32 (the
   calibration's contract, with its 2**-18 margin for rounding)."""

@@ -257,14 +257,36 @@ def dot_layouts(draw, *, max_size: int = 4, max_contract: int = 64, max_rank: in
 
 
 @st.composite
+def new_dot_layouts(draw, *, max_size: int = 4, max_rank: int = 4, max_blocks: int = 2) -> DotLayout:
+  """:func:`dot_layouts` with at least one contracting axis, the last listed one
+  ``32 * k`` long (k in 1..max_blocks; 0 in about 1 case of 8), so that an MX block of
+  32 divides it, and the whole contraction (which a tile of several contracting axes
+  groups) too. Other axes as :func:`dot_layouts` draws them (empty ones included)."""
+  lay = draw(dot_layouts(max_size=max_size, max_contract=max_size ** 2, max_rank=max_rank,
+                         min_contract=1))
+  (lc, rc), _ = lay.dn
+  k = 0 if draw(st.integers(0, 7)) == 3 else draw(st.integers(1, max_blocks))
+  l, r = list(lay.lhs_shape), list(lay.rhs_shape)
+  l[lc[-1]] = r[rc[-1]] = qtypes.MX_BLOCK * k
+  return dataclasses.replace(lay, lhs_shape=tuple(l), rhs_shape=tuple(r))
+
+
+@st.composite
 def operand_quants(draw, v: Values, dtype, *, tile_axis_size: int | None, allow_none: bool = True,
                    qtypes_: tuple[str, ...] = QTYPES, tiles: bool = True) -> C.OperandQuant | None:
   """None (float) or an OperandQuant of any qtype x calibration, channelwise
-  on/off, a tile size dividing the last contracting axis, ste / clipped_ste."""
+  on/off, a tile size dividing the last contracting axis, ste / clipped_ste
+  (``qtypes_=NEW_QTYPES``: nf4 as any other; MX channelwise in blocks of 32)."""
   qt = draw(st.sampled_from(((None,) if allow_none else ()) + tuple(qtypes_)))
   if qt is None:
     return None
   cal = draw(calibrations(qt, v.nominal(dtype)))
+  if qtypes.get_qtype(qt).is_mx:
+    # An MX qtype's only form: its block of 32 along the contraction, per row (the caller
+    # makes the contraction a multiple of 32; see new_dot_layouts).
+    assert tiles and tile_axis_size is not None and tile_axis_size % qtypes.MX_BLOCK == 0
+    return C.OperandQuant(qtype=qt, calibration=cal, channelwise=True, tile_size=None,
+                          estimator=draw(st.sampled_from(["ste", "clipped_ste"])))
   tile = None
   if tiles and tile_axis_size is not None and draw(st.booleans()):
     tile = draw(st.sampled_from(divisors(tile_axis_size)))

@@ -77,7 +77,10 @@ grad_quants = S.grad_quants()
 
 
 @st.composite
-def conv_cases(draw, *, big=False, nonfinite=True, grads=False, force_nonfinite=False):
+def conv_cases(draw, *, big=False, nonfinite=True, grads=False, force_nonfinite=False, new=False):
+  """ConvCase draws; ``new``: at least one side nf4 (the value-set qtype convolutions take,
+  per channel; MX qtypes need blocks along a contraction and are refused), the other None or
+  any qtype."""
   kw = dict(max_spatial=9, max_kernel=4, max_batch=4, max_features=4) if big else {}
   layout = draw(S.conv_layouts(**kw))
   dts = st.sampled_from(S.FLOAT_DTYPES)
@@ -87,6 +90,13 @@ def conv_cases(draw, *, big=False, nonfinite=True, grads=False, force_nonfinite=
   rv = draw(vals)
   lq = draw(S.operand_quants(lv, ldt, tile_axis_size=None, tiles=False))
   rq = draw(S.operand_quants(rv, rdt, tile_axis_size=None, tiles=False))
+  if new:
+    nf4 = lambda v, dt: S.operand_quants(v, dt, tile_axis_size=None, tiles=False, allow_none=False,
+                                         qtypes_=("nf4",))
+    if draw(st.booleans()):
+      lq = draw(nf4(lv, ldt))
+    else:
+      rq = draw(nf4(rv, rdt))
   pet = draw(st.sampled_from([None, None, "float32"]))
   case = ConvCase(layout=layout, ldtype=ldt, rdtype=rdt, lv=lv, rv=rv, lq=lq, rq=rq, preferred=pet)
   if grads:
@@ -113,7 +123,8 @@ def _side(x, oq, q, spec, dtype):
   cw, tiles = R.normalize_grid(x64.shape, spec.channelwise_axes, {})
   finite = R.expand(R.group_reduce(np.isfinite(x64), cw, tiles, np.all), x64.shape)
   s_full = R.expand(R.f64(q.scale), x64.shape)
-  codes = R.f64(q.qvalue) - (0 if q.zero_point is None else R.expand(R.f64(q.zero_point), x64.shape))
+  # The values of the codes (nf4's: its table's, in float32 as the op reads them).
+  codes = R.f64(qarray.values_of(q)) - (0 if q.zero_point is None else R.expand(R.f64(q.zero_point), x64.shape))
   return np.where(finite, codes * s_full, np.nan), s_full
 
 
@@ -151,8 +162,10 @@ def _path(case: ConvCase):
     return R.unit_roundoff(c), False
   lt, rt = case.lq.qtype, case.rq.qtype
   zp = case.lq.calibration.is_asymmetric or case.rq.calibration.is_asymmetric
-  if lt.is_float == rt.is_float and not zp:
+  if lt.is_float == rt.is_float and not zp and not (lt.is_lut or rt.is_lut):
     return 0.0, True
+  # nf4 (its codes are not numbers: its patches / kernel matrix are dequantized into float32,
+  # im2col) times a quantized side: both dequantized in float32, as int x fp8.
   return 2 * R.U32 + R.U32 ** 2, False
 
 
@@ -368,9 +381,10 @@ def check_backward(case: ConvCase) -> None:
   b_l, b_r = np.abs(b), np.abs(a)  # what g's error multiplies in each product
   gp_l = gp_r = np.abs(g64)
   if matmul:
-    if case.rq is not None and qr.zero_point is None:
+    # (A dequantized nf4 side is a float32 array to the backward products: no scale to fold.)
+    if case.rq is not None and qr.zero_point is None and not case.rq.qtype.is_lut:
       gp_l, b_l = _folded(gp_l, b, sb, lay.dimension_numbers[1].index("O"), c_ax)
-    if case.lq is not None and ql.zero_point is None:
+    if case.lq is not None and ql.zero_point is None and not case.lq.qtype.is_lut:
       gp_r, b_r = _folded(gp_r, a, sa, lay.dimension_numbers[0].index("N"), n_ax)
   el = _grad_err(gp_l, case.dlhs, tuple(i for i in every if i != c_ax) if matmul else (n_ax,))
   er = _grad_err(gp_r, case.drhs, (c_ax,))
@@ -466,3 +480,55 @@ def test_conv_general_qt_rejects_non_float_inputs(side, dtype):
   cfg = C.ConvGeneralQtConfig(lhs=C.OperandQuant(qtype="int8"), rhs=C.OperandQuant(qtype="int8"))
   with pytest.raises(ValueError, match=f"{side}.*{dtype}"):
     conv_general_qt(x, w, (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC"), config=cfg)
+
+
+# ----------------------------------------------------------------------------
+# nf4 (S.NEW_QTYPES' value-set qtype convolutions take: per batch element / per output
+# feature, no tile). Its side is dequantized into float32 for the patches (padding must be the
+# value 0, which is not nf4's code 0), so a quantized pair takes the float32 path of _path.
+
+
+@hypothesis.settings(FAST, max_examples=15)
+@hypothesis.given(case=conv_cases(new=True))
+def test_conv_general_qt_forward_nf4(case):
+  check_forward(case)
+
+
+@pytest.mark.slow
+@hypothesis.settings(FAST, max_examples=10)
+@hypothesis.given(case=conv_cases(new=True, force_nonfinite=True))
+def test_conv_general_qt_forward_nf4_nonfinite(case):
+  check_forward(case)
+
+
+@pytest.mark.slow
+@DEEP
+@hypothesis.given(case=conv_cases(new=True, big=True))
+def test_conv_general_qt_forward_nf4_deep(case):
+  check_forward(case)
+
+
+@pytest.mark.slow
+@hypothesis.settings(FAST, max_examples=15)
+@hypothesis.given(case=conv_cases(new=True, grads=True, nonfinite=False))
+def test_conv_general_qt_nf4_gradients(case):
+  check_backward(case)
+
+
+@pytest.mark.slow
+@DEEP
+@hypothesis.given(case=conv_cases(new=True, big=True, grads=True, nonfinite=False))
+def test_conv_general_qt_nf4_gradients_deep(case):
+  check_backward(case)
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("side", ["lhs", "rhs"])
+def test_conv_general_qt_refuses_mx(side, name):
+  """MX qtypes need 32-value blocks along a contracting axis, which convolutions do not take:
+  the config raises naming the operand; nf4 per channel is accepted, nf4 with a tile raises."""
+  with pytest.raises(ValueError, match=f"{side}.qtype='{name}': an MX qtype needs blocks of 32"):
+    C.ConvGeneralQtConfig(**{side: C.OperandQuant(qtype=name)})
+  C.ConvGeneralQtConfig(**{side: C.OperandQuant(qtype="nf4")})
+  with pytest.raises(ValueError, match=f"{side}.tile_size=64: convolutions take no tile_size"):
+    C.ConvGeneralQtConfig(**{side: C.OperandQuant(qtype="nf4", tile_size=64)})

@@ -27,11 +27,20 @@ contraction (n terms) and u_x the unit roundoff of dtype x:
   * anything else (int x fp8, scales varying per element along the
     contraction, unequal tiles): both sides dequantized in float32
     (2 u each product) then gamma(n) P;
+  * a value-set side (nf4, mxfp4; scales factorable): its table values read
+    into float32 multiply the other side's values there, exactly (e2m1 has 2
+    significant bits, int8 / fp8 codes at most 8) except for nf4's float32
+    table values (u per product), float32 accumulation, the epilogue per
+    group and the sum of G groups: (u) + gamma(n + G + 1) P; mxfp8 is fp8
+    (its 32-value blocks are G groups of the last contracting axis);
   * both float (no quantization): bit for bit lax.dot_general;
   * the result is rounded once into the output dtype: u_out |ref| (+ its
     flush), and must be Inf exactly where |ref| beyond the budget overflows it.
 End to end (absmax, no clipping): |out - x . w| <= the above +
-sum(E_x |w| + |x| E_w + E_x E_w) with E the per-element quantization bound.
+sum(E_x |w| + |x| E_w + E_x E_w) with E the per-element quantization bound
+(nf4, mxfp8, mxfp4: half the largest gap between neighbouring values of the
+format times the scale, _props_ref.value_set_error; its attainment is checked
+by test_dot_general_qt_new_qtypes_e2e_budget_is_attained).
 
 Backward: ``lhs_bar = g . deq(rhs)`` contracted back to lhs's layout (and
 rhs_bar likewise), float64 reference from the dequantized operands and g.
@@ -54,6 +63,7 @@ import dataclasses
 
 import hypothesis
 import hypothesis.strategies as st
+from hypothesis.control import currently_in_test_context
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,11 +103,17 @@ grad_quants = S.grad_quants()
 
 @st.composite
 def dot_cases(draw, *, max_size=4, max_contract=64, max_rank=4, nonfinite=True, grads=False,
-              force_empty=False, force_nonfinite=False, one_float=False, clipped_absmax=False):
+              force_empty=False, force_nonfinite=False, one_float=False, clipped_absmax=False,
+              new=False):
   """DotCase draws; the force_/one_float/clipped_absmax flags narrow the space
   to one property (an empty axis, NaN/Inf, exactly one float side, clipped_ste
-  under absmax on both sides)."""
-  layout = draw(S.dot_layouts(max_size=max_size, max_contract=max_contract, max_rank=max_rank))
+  under absmax on both sides). ``new``: at least one side of S.NEW_QTYPES (nf4,
+  mxfp8, mxfp4), the other None or any qtype, on layouts whose last contracting
+  axis is a multiple of 32 (an MX block; S.new_dot_layouts)."""
+  if new:
+    layout = draw(S.new_dot_layouts(max_size=max_size, max_rank=max_rank))
+  else:
+    layout = draw(S.dot_layouts(max_size=max_size, max_contract=max_contract, max_rank=max_rank))
   if force_empty:
     side = draw(st.sampled_from(["lhs", "rhs"]))
     shape = list(getattr(layout, f"{side}_shape"))
@@ -119,22 +135,37 @@ def dot_cases(draw, *, max_size=4, max_contract=64, max_rank=4, nonfinite=True, 
     vals = S.values(nonfinite=True).filter(lambda v: v.nonfinite)
   lv, rv = draw(vals), draw(S.values(nonfinite=nonfinite))
   nl = layout.last_contract_size
-  lq = draw(S.operand_quants(lv, ldt, tile_axis_size=nl))
-  rq = draw(S.operand_quants(rv, rdt, tile_axis_size=nl))
+  if not new:
+    lq = draw(S.operand_quants(lv, ldt, tile_axis_size=nl))
+    rq = draw(S.operand_quants(rv, rdt, tile_axis_size=nl))
+  else:
+    any_q = S.QTYPES + S.NEW_QTYPES
+    lq = draw(S.operand_quants(lv, ldt, tile_axis_size=nl, qtypes_=any_q))
+    rq = draw(S.operand_quants(rv, rdt, tile_axis_size=nl, qtypes_=any_q))
+    if draw(st.booleans()):
+      lq = draw(S.operand_quants(lv, ldt, tile_axis_size=nl, qtypes_=S.NEW_QTYPES, allow_none=False))
+    else:
+      rq = draw(S.operand_quants(rv, rdt, tile_axis_size=nl, qtypes_=S.NEW_QTYPES, allow_none=False))
+  qtypes_ = S.NEW_QTYPES if new else S.QTYPES
   if one_float:
-    quantized = draw(S.operand_quants(lv, ldt, tile_axis_size=nl, allow_none=False))
+    quantized = draw(S.operand_quants(lv, ldt, tile_axis_size=nl, allow_none=False, qtypes_=qtypes_))
     lq, rq = (None, quantized) if draw(st.booleans()) else (quantized, None)
   if clipped_absmax:
     absmax = lambda oq: dataclasses.replace(oq, calibration=qarray.Calibration(method="absmax"),
                                             estimator="clipped_ste", channelwise=True)
-    lq = absmax(draw(S.operand_quants(lv, ldt, tile_axis_size=nl, allow_none=False)))
-    rq = absmax(draw(S.operand_quants(rv, rdt, tile_axis_size=nl, allow_none=False)))
+    # (MX blocks: absmax puts the top of a block up to half a gap above qmax, which
+    # clipped_ste masks; see test_dot_general_qt_clipped_ste_absmax_mx_block_top.)
+    cq = ("nf4",) if new else S.QTYPES
+    lq = absmax(draw(S.operand_quants(lv, ldt, tile_axis_size=nl, allow_none=False, qtypes_=cq)))
+    rq = absmax(draw(S.operand_quants(rv, rdt, tile_axis_size=nl, allow_none=False, qtypes_=cq)))
   pet = draw(st.sampled_from([None, None, "float32", "bfloat16", "float16"]))
   impl = draw(st.sampled_from(["auto", "xla"]))
   case = DotCase(layout=layout, ldtype=ldt, rdtype=rdt, lv=lv, rv=rv, lq=lq, rq=rq, preferred=pet,
                  implementation=impl)
   if grads:
-    case = dataclasses.replace(case, gv=draw(S.values()), dlhs=draw(grad_quants),
+    # new: no "tiny" incoming gradient (see test_dot_general_qt_backward_epilogue_flush).
+    gmodes = tuple(m for m in S.MODES if m != "tiny") if new else S.MODES
+    case = dataclasses.replace(case, gv=draw(S.values(modes=gmodes)), dlhs=draw(grad_quants),
                                drhs=draw(grad_quants))
   return case
 
@@ -180,10 +211,14 @@ def make_side(x, oq, q, spec, dtype) -> Side:
   finite = R.expand(R.group_reduce(np.isfinite(x64), cw, tiles, np.all), x64.shape)
   s_full = R.expand(s, x64.shape)
   zp_full = None if q.zero_point is None else R.expand(R.f64(q.zero_point), x64.shape)
-  codes = R.f64(q.qvalue) - (0 if zp_full is None else zp_full)
+  # The values of the codes (a value-set qtype's are its table's, in float32 as the op reads them).
+  codes = R.f64(qarray.values_of(q)) - (0 if zp_full is None else zp_full)
   side.val = np.where(finite, codes * s_full, np.nan)
   side.s_full, side.zp_full, side.scale = s_full, zp_full, s
   xs = np.where(finite, x64, 0.0)
+  if oq.qtype.is_lut or oq.qtype.is_mx:  # nf4, mxfp8, mxfp4: the format's value gaps
+    side.err = np.where(finite, R.value_set_error(xs, np.where(finite, s_full, 1.0), oq.qtype), np.nan)
+    return side
   center, bound = R.element_budget(xs, np.where(finite, s_full, 1.0),
                                    None if zp_full is None else np.where(finite, zp_full, 0.0),
                                    oq.qtype, stochastic=False)
@@ -225,8 +260,19 @@ def forward_budget(case: DotCase, L: Side, Rs: Side, out_dtype, ref, P, Ones_l, 
     groups = lambda oq: (nl // oq.tile_size) if (oq.tile_size and nl) else 1
     gl, gr = groups(case.lq), groups(case.rq)
     per_element = nl > 1 and 1 in (case.lq.tile_size, case.rq.tile_size)
-    exact = (lt.is_float == rt.is_float and not per_element and (gl == 1 or gr == 1 or gl == gr))
-    if exact:
+    factors = not per_element and (gl == 1 or gr == 1 or gl == gr)
+    lut = lt.is_lut or rt.is_lut
+    exact = not lut and lt.is_float == rt.is_float and factors
+    if lut and factors:
+      # A value-set side's table values are read into float32 and multiply the other side's
+      # values there (qdot): each product is exact (e2m1 values have 2 significant bits, int8
+      # and fp8 codes at most 8), except nf4's float32 table values (one rounding, u); float32
+      # accumulation of each group's terms (at most n), then the epilogue per group and the
+      # sum of the G groups.
+      G = max(gl, gr)
+      rel_in = R.U32 if "nf4" in (lt.name, rt.name) else 0.0
+      k = n + (G - 1) + EPILOGUE_ROUNDINGS
+    elif exact:
       G = max(gl, gr)
       rel_in = 0.0
       k = (n if lt.is_float else 0) + (G - 1) + EPILOGUE_ROUNDINGS
@@ -280,7 +326,8 @@ def _build(case: DotCase):
   w = S.make(case.rv, lay.rhs_shape, case.rdtype)
   cfg = C.DotGeneralQtConfig(lhs=case.lq, rhs=case.rq, dlhs_grad=case.dlhs, drhs_grad=case.drhs,
                              implementation=case.implementation)
-  hypothesis.note(f"lhs = {x!r}\nrhs = {w!r}")
+  if currently_in_test_context():  # (the deterministic tests call check_forward directly)
+    hypothesis.note(f"lhs = {x!r}\nrhs = {w!r}")
   mcase, fl, fr = merged(case)
   (lc, rc), (lb, rb) = mcase.layout.dn
   xm, wm = fl(x), fr(w)
@@ -299,7 +346,9 @@ def _out_dtype(case):
       jnp.dtype(case.ldtype), jnp.dtype(case.rdtype))
 
 
-def check_forward(case: DotCase) -> None:
+def check_forward(case: DotCase) -> float | None:
+  """Checks the forward; returns the largest |out - x . w| / its end-to-end budget where
+  that is checked (None elsewhere)."""
   x, w, cfg, (mcase, xm, wm, lspec, rspec, _, _) = _build(case)
   dn = case.layout.dn
   pet = case.preferred
@@ -321,7 +370,7 @@ def check_forward(case: DotCase) -> None:
     # the output dtype it documents (result_type of the inputs by default), bit
     # for bit.
     np.testing.assert_array_equal(np.asarray(out, np.float64), np.asarray(lax_out, np.float64))
-    return
+    return None
   L = make_side(x, case.lq, ql, lspec, case.ldtype)
   Rs = make_side(w, case.rq, qr, rspec, case.rdtype)
   ref = R.dot64(L.val, Rs.val, dn)
@@ -339,9 +388,13 @@ def check_forward(case: DotCase) -> None:
     ref0 = R.dot64(L.x, Rs.x, dn)
     extra = (R.dot64(L.err, np.abs(Rs.x), dn) + R.dot64(np.abs(L.x), Rs.err, dn)
              + R.dot64(L.err, Rs.err, dn))
-    R.check_output(out, ref0, budget + extra * (1 + 4 * R.U32), out_dtype=out_dtype,
+    total = budget + extra * (1 + 4 * R.U32)
+    R.check_output(out, ref0, total, out_dtype=out_dtype,
                    may_overflow=may_overflow | (np.abs(ref0) + budget + extra >= R.overflow_threshold(out_dtype)),
                    what="dot_general_qt vs float64 dot of the original operands")
+    fin = np.isfinite(R.f64(out)) & (total > 0)
+    return float(np.max(np.abs(R.f64(out) - ref0)[fin] / total[fin], initial=0.0))
+  return None
 
 
 OQ = C.OperandQuant
@@ -531,7 +584,8 @@ def check_backward(case: DotCase) -> None:
   out_dtype = _out_dtype(case)
   expect_shape = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dn), x, w).shape
   g = S.make(case.gv, expect_shape, out_dtype)
-  hypothesis.note(f"g = {g!r}")
+  if currently_in_test_context():
+    hypothesis.note(f"g = {g!r}")
   key = jax.random.key(case.gv.seed) if cfg.needs_key else None
 
   @jax.jit
@@ -602,3 +656,136 @@ def test_dot_general_qt_rejects_non_float_inputs(side, dtype):
   cfg = C.DotGeneralQtConfig(lhs=C.OperandQuant(qtype="int8"), rhs=C.OperandQuant(qtype="int8"))
   with pytest.raises(ValueError, match=f"{side}.*{dtype}"):
     dot_general_qt(x, w, (((1,), (0,)), ((), ())), cfg)
+
+
+# ----------------------------------------------------------------------------
+# The value-set and MX qtypes (S.NEW_QTYPES: nf4, mxfp8, mxfp4) as weight / activation
+# qtypes: the same properties, on layouts whose last contracting axis is 32 k long (k = 0
+# included: an empty contraction), the other side None or any qtype. Budgets: see the module
+# docstring (the value-set product) and _props_ref.value_set_error (the formats' gaps).
+
+
+@hypothesis.settings(FAST, max_examples=20)
+@hypothesis.given(case=dot_cases(new=True))
+def test_dot_general_qt_forward_new_qtypes(case):
+  check_forward(case)
+
+
+@hypothesis.settings(FAST, max_examples=10)
+@hypothesis.given(case=dot_cases(new=True, one_float=True))
+def test_dot_general_qt_forward_new_qtypes_one_float_side(case):
+  """A float side (float32/bfloat16/float16) times an nf4 / mxfp8 / mxfp4 one: the
+  dequantized values in promote_types of the two input dtypes."""
+  check_forward(case)
+
+
+@hypothesis.settings(FAST, max_examples=8)
+@hypothesis.given(case=dot_cases(new=True, force_empty=True, grads=True, nonfinite=False))
+def test_dot_general_qt_new_qtypes_empty_axis(case):
+  check_forward(case)
+  check_backward(case)
+
+
+@pytest.mark.slow
+@hypothesis.settings(FAST, max_examples=15)
+@hypothesis.given(case=dot_cases(new=True, force_nonfinite=True))
+def test_dot_general_qt_forward_new_qtypes_nonfinite(case):
+  check_forward(case)
+
+
+@pytest.mark.slow
+@DEEP
+@hypothesis.given(case=dot_cases(new=True, max_size=6, max_rank=5))
+def test_dot_general_qt_forward_new_qtypes_deep(case):
+  check_forward(case)
+
+
+@pytest.mark.slow
+@hypothesis.settings(FAST, max_examples=25)
+@hypothesis.given(case=dot_cases(new=True, grads=True, nonfinite=False))
+def test_dot_general_qt_new_qtypes_gradients(case):
+  """Gradients through nf4 / mxfp8 / mxfp4 residuals (their values, read from the table),
+  the incoming gradient float or int8 / fp8 (the gradient qtypes)."""
+  check_backward(case)
+
+
+@pytest.mark.slow
+@DEEP
+@hypothesis.given(case=dot_cases(new=True, max_size=6, max_rank=5, grads=True, nonfinite=False))
+def test_dot_general_qt_new_qtypes_gradients_deep(case):
+  check_backward(case)
+
+
+@hypothesis.settings(FAST, max_examples=8)
+@hypothesis.given(case=dot_cases(new=True, grads=True, nonfinite=False, clipped_absmax=True))
+def test_dot_general_qt_clipped_ste_absmax_nf4_masks_nothing(case):
+  """nf4 under absmax: every element is inside [-1, 1] x its scale: nothing masked."""
+  check_backward(case)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="clipped_ste masks |x / scale| > qmax, and an MX block's "
+                   "absmax e8m0 scale lets its top land in (qmax, qmax + gap / 2) (464 / 7): that "
+                   "element rounds to qmax with at most half a gap of error, like any element, but "
+                   "its gradient is zeroed")
+@pytest.mark.parametrize("name, top", [("mxfp8", 460.0), ("mxfp4", 6.8)])
+def test_dot_general_qt_clipped_ste_absmax_mx_block_top(name, top):
+  cfg = C.DotGeneralQtConfig(lhs=OQ(qtype=name, estimator="clipped_ste"))
+  x = jnp.asarray(np.r_[top, np.ones(31)].reshape(1, 32), jnp.float32)
+  g = jax.grad(lambda x: dot_general_qt(x, jnp.ones((32, 1)), _MK.dn, cfg).sum())(x)
+  np.testing.assert_array_equal(np.asarray(g), np.ones((1, 32)))
+
+
+@pytest.mark.parametrize("name", S.NEW_QTYPES)
+def test_dot_general_qt_new_qtypes_e2e_budget_is_attained(name):
+  """The format budget is not loose: with an identity lhs each output is one weight element,
+  so |out - x . w| is that element's quantization error, which on random data reaches more
+  than half of half the largest gap x scale (nf4, mxfp8, mxfp4 alike)."""
+  k = 64
+  lay = S.DotLayout(lhs_shape=(k, k), rhs_shape=(k, 8), dn=_MK.dn)
+  case = _case(lay, None, OQ(qtype=name), lv=S.Values(explicit=tuple(np.eye(k).ravel())),
+               rv=S.Values(seed=3))
+  ratio = check_forward(case)
+  assert ratio is not None and 0.5 < ratio <= 1.0, ratio
+
+
+@pytest.mark.parametrize("name", S.NEW_QTYPES)
+def test_new_qtypes_are_not_gradient_qtypes(name):
+  """nf4 and the MX qtypes are forward formats only: as a gradient qtype (either product)
+  they raise, naming the valid ones."""
+  with pytest.raises(ValueError, match=f"GradQuant.qtype='{name}': gradients need int2..int8 or fp8"):
+    C.GradQuant(qtype=name)
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp4"])
+def test_dot_general_qt_mx_needs_blocks_of_32(name):
+  """An MX qtype's block is 32 values of one row along the contraction: another tile size,
+  per-axis tiles, channelwise=False, a contraction 32 does not divide and no contraction raise."""
+  for bad in (16, 64, 0.5):
+    with pytest.raises(ValueError, match=f"tile_size={bad!r} with qtype '{name}'.*or 32"):
+      OQ(qtype=name, tile_size=bad)
+  with pytest.raises(ValueError, match=f"with qtype '{name}': an MX block"):
+    OQ(qtype=name, tile_size={0: 32})
+  with pytest.raises(ValueError, match=f"channelwise=False with qtype '{name}'"):
+    OQ(qtype=name, channelwise=False)
+  assert OQ(qtype=name, tile_size=32) == OQ(qtype=name)
+  for side in ("lhs", "rhs"):
+    cfg = C.DotGeneralQtConfig(**{side: OQ(qtype=name)})
+    with pytest.raises(ValueError, match=f"config.{side}.tile_size=32 does not divide the "
+                                         "contracting axis of size 48"):
+      dot_general_qt(jnp.ones((2, 48)), jnp.ones((48, 3)), _MK.dn, cfg)
+    with pytest.raises(ValueError, match=f"config.{side}.tile_size=32 but the op contracts no axis"):
+      dot_general_qt(jnp.ones((2,)), jnp.ones((3,)), (((), ()), ((), ())), cfg)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="backward epilogue: with the residual's scale folded into g "
+                   "(divided by 2**e) and g's int8 scale clamped at 2**-126, (acc * ls) flushes to 0 "
+                   "before * 2**e restores it, where acc holds fp8 subnormal element values "
+                   "(float8_e4m3fn and mxfp8 alike): lhs_bar 0 where g . deq(w) is ~5e-12")
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "mxfp8"])
+def test_dot_general_qt_backward_epilogue_flush(name):
+  """Found by test_dot_general_qt_new_qtypes_gradients_deep: a tiny incoming gradient (1e-37)
+  against a weight of mixed magnitudes (1e-30 .. 1e30)."""
+  lay = S.DotLayout(lhs_shape=(1, 32), rhs_shape=(1, 32, 1, 2), dn=(((0, 1), (0, 1)), ((), ())))
+  check_backward(_case(lay, None, OQ(qtype=name), rv=S.Values(mode="mixed", seed=0),
+                       lv=S.Values(seed=0), gv=S.Values(mode="tiny", seed=0),
+                       dlhs=C.GradQuant(qtype="int8")))
