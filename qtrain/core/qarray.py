@@ -503,6 +503,14 @@ def e8m0_scale(bound: jax.Array, qt: qtypes.QType) -> jax.Array:
   return jax.lax.bitcast_convert_type(((k + 127) << 23).astype(jnp.int32), jnp.float32)
 
 
+def pass_limit(qt: qtypes.QType) -> float:
+  """The largest ``|x / scale|`` a calibrated value may have and still round to the grid's top
+  with at most half a step of error: ``qmax``, or for an MX qtype the midpoint above its top
+  element (464 for e4m3, 7 for e2m1), which its e8m0 scale lets a block's largest value reach.
+  A clipping estimator passes gradients up to here."""
+  return 2.0 * _e8m0_edge(qt) if qt.is_mx else float(qt.qmax)
+
+
 def _scale_from_bound(bound: jax.Array, multiplier: float, qt: qtypes.QType, codes: float):
   """The float32 scale (:func:`_bound_scale`) or, for MX qtypes, the e8m0 one."""
   if qt.is_mx:

@@ -173,7 +173,7 @@ def quantize_operand(x, oq, given_scale, channel_axes, tile_axis, what) -> Opera
     q = qa.quantize_with_scale(x, oq.qtype, as_scale(scale, x.shape, f"{what}_scale"), zp)
   full_scale = qa.expand_scale(q.scale, x.shape)
   zp = None if q.zero_point is None else qa.expand_scale(q.zero_point, x.shape)
-  mask = estimators.pass_mask(oq.estimator, x, full_scale, qmax=q.qtype.qmax,
+  mask = estimators.pass_mask(oq.estimator, x, full_scale, qmax=qa.pass_limit(q.qtype),
                               zero_point_full=zp, qmin=q.qtype.qmin)
   keep_x = given_scale is not None and oq.scale_grad == "lsq"
   return OperandResidual(value=q, mask=mask, x=x if keep_x else None, given_scale=given_scale)
