@@ -52,9 +52,10 @@ index of g's axes that survive the product; each element is off by at most
 half its step (round to nearest; a full step with stochastic rounding; fp8:
 its relative rounding bound), so the error adds sum |dg| |y'| over the
 contraction (y' the residual with its folded scale divided out).
-clipped_ste: zero exactly where |x / scale| > qmax (none with absmax and a
-multiplier >= 1), the STE gradient elsewhere; |x / scale| within float32
-rounding of qmax may go either way (except under absmax).
+clipped_ste: zero exactly where |x / scale| > qmax (MX qtypes: the midpoint above the top
+element, qarray.pass_limit; none with absmax and a multiplier >= 1), the STE gradient
+elsewhere; |x / scale| within float32 rounding of that limit may go either way (except under
+absmax).
 """
 
 from __future__ import annotations
@@ -153,8 +154,7 @@ def dot_cases(draw, *, max_size=4, max_contract=64, max_rank=4, nonfinite=True, 
   if clipped_absmax:
     absmax = lambda oq: dataclasses.replace(oq, calibration=qarray.Calibration(method="absmax"),
                                             estimator="clipped_ste", channelwise=True)
-    # (MX blocks: absmax puts the top of a block up to half a gap above qmax, which
-    # clipped_ste masks; see test_dot_general_qt_clipped_ste_absmax_mx_block_top.)
+    # (MX blocks: test_dot_general_qt_clipped_ste_absmax_mx_block_top.)
     cq = ("nf4",) if new else S.QTYPES
     lq = absmax(draw(S.operand_quants(lv, ldt, tile_axis_size=nl, allow_none=False, qtypes_=cq)))
     rq = absmax(draw(S.operand_quants(rv, rdt, tile_axis_size=nl, allow_none=False, qtypes_=cq)))
@@ -564,13 +564,13 @@ def clip_mask(x: Side):
   if x.zp_full is not None:  # the documented range: [qmin - 1/2, qmax + 1/2] after the shift
     y = y + x.zp_full
     dist = np.maximum(qt.qmin - 0.5 - y, y - qt.qmax - 0.5)
-  else:
-    dist = np.abs(y) - qt.qmax
+  else:  # qmax, or an MX qtype's midpoint above its top element (qarray.pass_limit)
+    dist = np.abs(y) - qarray.pass_limit(qt)
   tol = 4 * R.U32 * (np.abs(y) + 1)
   if oq.calibration.method == "absmax" and oq.calibration.multiplier >= 1:
     # Every element is inside the range it defines, unless the scale was capped (the range
     # times the multiplier beyond float32): then the general test below applies.
-    capped = np.abs(x.x) > x.s_full * qt.qmax * (1 + 16 * R.U32)
+    capped = np.abs(x.x) > x.s_full * qarray.pass_limit(qt) * (1 + 16 * R.U32)
     if not capped.any():
       z = np.zeros(x.x.shape, bool)
       return z, z
