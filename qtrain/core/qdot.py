@@ -363,15 +363,18 @@ def scale_product(acc: jax.Array, ls_o: jax.Array, rs_o: jax.Array, *, grouped: 
   (summed over the leading group axis when ``grouped``), cast to ``out_dtype``.
   ``ls_o`` / ``rs_o`` are the operands' scales in the output layout.
 
-  Where ``(acc * ls_o) * rs_o`` is not finite, ``acc * (ls_o * rs_o)`` is
-  used instead: ``acc * ls_o`` overflows when one scale is huge and the other
-  small although the product is moderate. Finite results are bit-identical to
-  ``(acc * ls_o) * rs_o`` (the Pallas kernels' epilogues compute the same);
-  NaN scales and products beyond float32 stay NaN / inf.
+  Where ``(acc * ls_o) * rs_o`` is not finite, or 0 for a nonzero ``acc``,
+  ``acc * (ls_o * rs_o)`` is used instead: ``acc * ls_o`` overflows (or
+  flushes to 0) when one scale is huge (tiny) and the other small (large)
+  although the product is moderate. Finite results are bit-identical to
+  ``(acc * ls_o) * rs_o`` (the Pallas kernels' epilogues compute the same, without the
+  flush fallback); NaN scales and products beyond float32 stay NaN / inf.
   """
   accf = acc.astype(jnp.float32)
   out = accf * ls_o * rs_o
-  out = jnp.where(jnp.isfinite(out), out, accf * (ls_o * rs_o))
+  # (acc * ls) can also flush to 0 where the product is normal (a folded 2**-e scale on a tiny
+  # gradient's 2**-126 scale, fp8 subnormal codes): the other order then, as for an overflow.
+  out = jnp.where(jnp.isfinite(out) & ((out != 0) | (accf == 0)), out, accf * (ls_o * rs_o))
   if grouped:
     out = jnp.sum(out, axis=0)
   return out.astype(out_dtype)
