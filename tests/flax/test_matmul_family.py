@@ -1,4 +1,5 @@
-"""The matmul family (``x @ w``, ``jnp.matmul``, ``jnp.dot``, ``jnp.tensordot``, ``jnp.inner``) in
+"""The matmul family (``x @ w``, ``jnp.matmul``, ``jnp.dot``, ``jnp.tensordot``, ``jnp.inner``,
+``jax.lax.dot``, ``x.dot(w)``, ``jnp.vdot`` of vectors) in
 a user's linen or nnx module: each call one dot_general op of the module, quantized bit for bit
 as the Flax layer that computes the same product; Flax's own layers' calls pass through."""
 
@@ -28,6 +29,10 @@ def _provider(**kw):
   return qtrain.QtProvider([qtrain.QtRule(module_path=".*", **kw)])
 
 
+def _qwarnings(rec):
+  return [str(w.message) for w in rec if str(w.message).startswith("qtrain")]
+
+
 # Each form computes x (6, 16) times the (16, 8) parameter "kernel"; "inner" takes it transposed
 # ((8, 16): jnp.inner contracts the last axes of both).
 FORMS = {
@@ -38,6 +43,9 @@ FORMS = {
     "tensordot_pairs": lambda x, w: jnp.tensordot(x, w, axes=([1], [0])),
     "inner": lambda x, w: jnp.inner(x, w),
     "inner_reference": lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))),
+    "lax.dot": lambda x, w: jax.lax.dot(x, w),
+    "lax.dot_dimension_numbers": lambda x, w: jax.lax.dot(x, w, dimension_numbers=DN),
+    "x.dot": lambda x, w: x.dot(w),
 }
 
 
@@ -225,7 +233,8 @@ class NnxProduct(nnx.Module):
 
 class TestNnx:
 
-  @pytest.mark.parametrize("form", ["dot", "tensordot", "tensordot_pairs", "matmul"])
+  @pytest.mark.parametrize("form", ["dot", "tensordot", "tensordot_pairs", "matmul", "lax.dot",
+                                    "x.dot"])
   def test_forward_and_gradients_equal_linear_bit_for_bit(self, form):
     m = NnxProduct(form, nnx.Rngs(0))
     lin = nnx.Linear(16, 8, use_bias=False, rngs=nnx.Rngs(1))
@@ -271,3 +280,32 @@ class TestNnx:
       qtrain.quantize_model(m, p, X)
     assert [(r.op_id, r.status) for r in p.records()] == [
         ("dot_general0", "quantized"), ("dot_general1", "float: unsupported form")]
+
+
+def test_the_float_forms_are_jaxs_own_again_after_a_call():
+  qm = qtrain.quantize_model(LinenModel("x.dot"), _provider(**RULE))
+  qm.apply(qm.init(jax.random.key(1), X), X, rngs={"quant": jax.random.key(2)})
+  assert jax.lax.dot.__name__ == "dot" and "_dispatch" not in type(X).dot.__name__
+
+
+def test_vdot_of_vectors_is_jnp_dot_and_other_ranks_stay_float():
+  class Vdot(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      v = self.param("v", nn.initializers.normal(1.0), (16,))
+      w = self.param("w", nn.initializers.normal(1.0), (6, 16))
+      return jnp.vdot(x[0], v), jnp.dot(x[0], v), jnp.vdot(x, w)
+
+  params = Vdot().init(jax.random.key(1), X)
+  p = _provider(weight_qtype="int8", act_qtype="int8")
+  with warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    a, b, c = qtrain.quantize_model(Vdot(), p).apply(params, X)
+  np.testing.assert_array_equal(a, b)                  # the quantized 1-D jnp.dot
+  assert a != Vdot().apply(params, X)[0]
+  np.testing.assert_array_equal(c, Vdot().apply(params, X)[2])
+  assert [(r.op_id, r.status) for r in p.records()] == [
+      ("dot_general0", "quantized"), ("dot_general1", "quantized"),
+      ("dot_general2", "float: unsupported form")]
+  assert any("dot_general in module ''" in m and "unsupported form" in m
+             for m in _qwarnings(rec)), _qwarnings(rec)
