@@ -322,6 +322,19 @@ def build_conv(kernel, *, rhs_spec, w_cfg, where: str, **fields) -> FrozenLayer:
       kernel_shape=tuple(int(d) for d in w.shape), group_size=None, layout=rhs_spec, **fields)
 
 
+def rebuild(spec: FrozenLayer, kernel, w_cfg, *, where: str) -> FrozenLayer:
+  """The layer ``spec`` describes, quantized again from the float ``kernel`` (of
+  ``spec.kernel_shape``) with ``w_cfg``: no input scale, input shift or bias."""
+  kernel = jnp.asarray(kernel).astype(spec.weight_dtype)
+  fields = {f: getattr(spec, f) for f in META_FIELDS
+            if f not in ("kind", "w_qtype", "k", "n", "kernel_shape", "group_size", "layout")}
+  fields.update(scale_a=None, bias_a=None, bias=None)
+  if spec.kind == "conv":
+    return build_conv(kernel, rhs_spec=spec.layout, w_cfg=w_cfg, where=where, **fields)
+  return build_dot(kernel, contract=spec.layout[0], batch=spec.layout[1], w_cfg=w_cfg,
+                   where=where, **fields)
+
+
 def _dot_axes(layer: FrozenLayer):
   contract, batch = layer.layout
   free = qdot.free_axes(len(layer.kernel_shape), contract, batch)

@@ -520,16 +520,7 @@ class FrozenOp(nnx.Module):
       param = "/".join([p for p in self.path.split("/") if p] + [spec.param])
       raise ValueError(f"{param!r} has shape {tuple(kernel.shape)}, the frozen layer {where!r} "
                        f"{spec.kernel_shape}")
-    kernel = kernel.astype(spec.weight_dtype)
-    fields = {f: getattr(spec, f) for f in _frozen.META_FIELDS
-              if f not in ("kind", "w_qtype", "k", "n", "kernel_shape", "group_size", "layout")}
-    fields.update(scale_a=None, bias_a=None, bias=None)
-    if spec.kind == "conv":
-      layer = _frozen.build_conv(kernel, rhs_spec=spec.layout, w_cfg=self.weight_quant,
-                                 where=where, **fields)
-    else:
-      layer = _frozen.build_dot(kernel, contract=spec.layout[0], batch=spec.layout[1],
-                                w_cfg=self.weight_quant, where=where, **fields)
+    layer = _frozen.rebuild(spec, kernel, self.weight_quant, where=where)
     for f in _ARRAY_FIELDS:
       want = variable_get(getattr(self, f)) if hasattr(self, f) else None
       got = getattr(layer, f)

@@ -214,22 +214,11 @@ def requantize(how: WeightHow, kernel, where: str) -> QArray:
   if tuple(kernel.shape) != tuple(spec.kernel_shape):
     raise ValueError(f"quantize_params: {where!r} has shape {tuple(kernel.shape)}, the "
                      f"template's {tuple(spec.kernel_shape)}")
-  kernel = kernel.astype(spec.weight_dtype)
-  fields = {f: getattr(spec, f) for f in _frozen.META_FIELDS
-            if f not in ("kind", "w_qtype", "k", "n", "kernel_shape", "group_size", "layout")}
-  fields.update(scale_a=None, bias_a=None, bias=None)
-  if spec.kind == "conv":
-    layer = _frozen.build_conv(kernel, rhs_spec=spec.layout, w_cfg=how.weight_quant, where=where,
-                               **fields)
-  else:
-    contract, batch = spec.layout
-    if len(contract) > 1 and spec.group_size is not None:
-      raise ValueError(f"quantize_params: {where!r}: a tile across several contracting axes is "
-                       "not rebuilt from float weights here: quantize the model with "
-                       "quantize_model(model, PtqProvider(rules), x) instead")
-    layer = _frozen.build_dot(kernel, contract=contract, batch=batch, w_cfg=how.weight_quant,
-                              where=where, **fields)
-  return to_qarray(layer)
+  if spec.kind != "conv" and len(spec.layout[0]) > 1 and spec.group_size is not None:
+    raise ValueError(f"quantize_params: {where!r}: a tile across several contracting axes is "
+                     "not rebuilt from float weights here: quantize the model with "
+                     "quantize_model(model, PtqProvider(rules), x) instead")
+  return to_qarray(_frozen.rebuild(spec, kernel, how.weight_quant, where=where))
 
 
 def static_scale_array(scale, ndim: int):
