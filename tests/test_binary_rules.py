@@ -69,6 +69,7 @@ def test_rules_match_qlayers(preset):
       lq.weight, lq.act, lq.learn_act_scale, lq.learn_act_shift)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["bitorch", "w2"])
 def test_freeze_rule_trained_model(preset):
   lq = binary.mpq(bits=2, group_size=32) if preset == "w2" else binary.bitorch()

@@ -58,6 +58,7 @@ def test_bitorch_dense_forward_and_backward_match_formulas():
   np.testing.assert_allclose(gp["bias_a"], gb, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bitorch_asymmetric_init_and_no_act():
   x = jax.random.normal(jax.random.key(0), (8, 32))
   p = qlayers.QDense(4, quant=binary.bitorch(asymmetric=True)).init(jax.random.key(1), x)["params"]
@@ -84,6 +85,7 @@ def test_larq_ste_sign_forward_and_clipped_gradients():
   np.testing.assert_allclose(gp["kernel"], (sgn(x).T @ g) * (jnp.abs(w) <= 1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_xnor_scales():
   x = jax.random.normal(jax.random.key(0), (16, 64)) * 0.7
   layer = qlayers.QDense(8, quant=binary.xnor(), use_bias=False)
@@ -99,6 +101,7 @@ def test_xnor_scales():
   np.testing.assert_allclose(gx, (g @ (sgn(w) * alpha).T) * (jnp.abs(x) <= 1), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits,group", [(4, 32), (2, None), (8, 64)])
 def test_mpq_forward_is_minmax_groupwise(bits, group):
   k, n = 128, 16
@@ -147,6 +150,7 @@ def test_conv_1x1_equals_dense(preset):
                                atol=1e-4, err_msg=name)
 
 
+@pytest.mark.slow
 def test_bitorch_conv_padding_contributes_zero():
   """A SAME-padded binary conv: padded positions add 0 (not sign(0 + bias_a))."""
   c, n = 4, 3

@@ -48,6 +48,7 @@ def _bitnet_reference(x, w):
   return x_q @ w_q, x_q, w_q
 
 
+@pytest.mark.slow
 def test_bitnet_rule_is_the_papers_bitlinear_forward_and_ste_backward():
   rng = np.random.default_rng(0)
   x, _, _ = _grid_activations(rng, 6, 40)
@@ -95,6 +96,7 @@ def test_bitnet_rules_match_the_layer_quant_and_freeze_to_two_bit_words():
   np.testing.assert_array_equal(np.asarray(yf), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_bitnet_rule_on_nnx_matches_linen():
   rules = binary.rules({".*": "bitnet_b158"})
   x = jax.random.normal(jax.random.key(2), (4, 12))
@@ -106,6 +108,7 @@ def test_bitnet_rule_on_nnx_matches_linen():
   np.testing.assert_array_equal(np.asarray(qn(x)), np.asarray(yl))
 
 
+@pytest.mark.slow
 def test_per_operand_granularity_overrides_the_shared_fields():
   rule = qtrain.QtRule(weight_qtype="int4", act_qtype="int8", tile_size=16,
                        weight_granularity="per_channel")
@@ -151,6 +154,7 @@ def test_bad_granularity_is_refused_by_name(kw, match):
     qtrain.QtRule(**kw)
 
 
+@pytest.mark.slow
 def test_granularity_tile_on_a_conv_is_refused_naming_the_field():
   rule = qtrain.QtRule(weight_qtype="int8", act_qtype="int8", weight_granularity=16)
   model = qtrain.quantize_model(nn.Conv(4, (3, 3)), qtrain.QtProvider([rule]))
@@ -174,6 +178,7 @@ def test_layer_quants_with_different_channelwise_per_operand_become_one_rule():
   assert (back.weight, back.act) == (lq.weight, lq.act)
 
 
+@pytest.mark.slow
 def test_bitnet_forward_product_is_int8_times_int8():
   # Ternary codes are integers: the forward product runs on the int8 path (int8 x int8 -> int32,
   # the int8 GEMM on a GPU), not as a float product of dequantized values.

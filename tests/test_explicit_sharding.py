@@ -30,6 +30,7 @@ def run() -> dict:
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["out_sharding", "inferred"])
 def test_linen_data_parallel_step_matches_one_device(run, case):
   r = run[case]

@@ -120,6 +120,7 @@ def test_orbax_round_trip(tmp_path):
                                 freeze.apply_frozen(model, frozen, x, implementation="xla"))
 
 
+@pytest.mark.slow
 def test_freeze_rules_and_errors():
   layer = qlayers.QDense(4, quant=binary.bitorch())
   x = jnp.ones((2, 32))
@@ -465,6 +466,7 @@ def test_kernel_path_matches_qt_forward(rule):
         name, float(np.max(np.abs(out - ref) - bound)))
 
 
+@pytest.mark.slow
 def test_fp8_weights_cannot_be_frozen():
   x = jax.random.normal(jax.random.key(0), (B, T, D))
   rules = [qtrain.QtRule(module_path="mlp_up", weight_qtype="float8_e4m3fn"),
@@ -600,6 +602,7 @@ def test_docstring_example():
   assert res.failed == 0 and res.attempted > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype, act, tile", [("int3", "int8", None), ("int5", None, 32),
                                                ("int6", "int8", None), ("int7", None, None)])
 def test_int3_to_int7_weights_freeze_into_their_container_and_run_its_kernels(qtype, act, tile):
@@ -627,6 +630,7 @@ def test_int3_to_int7_weights_freeze_into_their_container_and_run_its_kernels(qt
   assert np.abs(codes).max() == qt.qmax  # absmax: each channel's largest value lands on qmax
 
 
+@pytest.mark.slow
 def test_input_axis_names_survive_freeze_save_and_load(tmp_path):
   """A rule's act_axis_names (a shard_map-shared input scale) is frozen with the layer's input
   quantization and comes back from save_frozen / load_frozen (JSON lists back to tuples: the

@@ -91,6 +91,7 @@ def _adapted_reference(model, params, x, scale):
   return out
 
 
+@pytest.mark.slow
 def test_float_base_adapters_match_a_float64_reference():
   rule = qtrain.QtRule(module_path=".*", lora_rank=3, lora_alpha=6.0)
   qm = qtrain.quantize_model(TwoLayouts(), qtrain.QtProvider([rule]))
@@ -122,6 +123,7 @@ def test_fresh_adapters_leave_the_quantized_model_unchanged():
   np.testing.assert_array_equal(qa.apply(va, x), qb.apply(vb, x))
 
 
+@pytest.mark.slow
 def test_einsum_adapter_matches_reference():
   class E(nn.Module):
     @nn.compact
@@ -145,6 +147,7 @@ def test_einsum_adapter_matches_reference():
   np.testing.assert_allclose(_w64(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.slow
 def test_mixed_dtypes_compute_in_the_output_dtype():
   class D(nn.Module):
     @nn.compact
@@ -159,6 +162,7 @@ def test_mixed_dtypes_compute_in_the_output_dtype():
   assert qm.apply(v, x).dtype == jnp.bfloat16
 
 
+@pytest.mark.slow
 def test_empty_batch():
   qm = qtrain.quantize_model(nn.Dense(4), qtrain.QtProvider([qtrain.QtRule(
       module_path=".*", weight_qtype="int8", act_qtype="int8", lora_rank=2)]))
@@ -220,6 +224,7 @@ def test_only_adapters_get_gradients_and_dropout_needs_a_key():
   assert n_rest == 12 * 32 + 32 + 32 * 32 + 32 + 32 * 4 + 4
 
 
+@pytest.mark.slow
 def test_dropout_rate_and_inverted_scaling():
   lay = lora_ops.layout((64, 8), (((1,), (0,)), ((), ())), weight_operand=1)
   x = jnp.ones((4000, 64))
@@ -272,6 +277,7 @@ class Partitioned(nn.Module):
     return jnp.tanh(h) @ w
 
 
+@pytest.mark.slow
 def test_merge_folds_adapters_into_partitioned_weights():
   rule = qtrain.QtRule(module_path=".*", lora_rank=2, lora_alpha=3.0)
   prov = qtrain.QtProvider([rule])
@@ -295,6 +301,7 @@ def test_merge_folds_adapters_into_partitioned_weights():
 # ----------------------------------------------------------------------------- QLoRA
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wq, extra", [("int4", dict(tile_size=4)), ("int8", {}),
                                        ("ternary", {})])
 def test_qlora_frozen_base_matches_the_quantized_model_and_its_gradients(wq, extra):
@@ -328,6 +335,7 @@ def test_qlora_frozen_base_matches_the_quantized_model_and_its_gradients(wq, ext
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))
 
 
+@pytest.mark.slow
 def test_qlora_training_reduces_the_loss_with_state_for_adapters_only():
   rule = qtrain.QtRule(module_path=".*", weight_qtype="int4", tile_size=4, lora_rank=4,
                        lora_alpha=8.0, lora_dropout=0.1)
@@ -390,6 +398,7 @@ def test_frozen_products_pass_the_float_gradient_to_their_input():
   np.testing.assert_allclose(gx, gx_ref, rtol=1e-4, atol=1e-4 * np.abs(gx_ref).max())
 
 
+@pytest.mark.slow
 def test_freeze_folds_adapters_of_float_ops_and_keeps_quantized_ones():
   rules = [qtrain.QtRule(module_path="layers_4", lora_rank=2),            # float + adapter
            qtrain.QtRule(module_path=".*", weight_qtype="int8", lora_rank=2)]
@@ -409,6 +418,7 @@ def test_freeze_folds_adapters_of_float_ops_and_keeps_quantized_ones():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
 
 
+@pytest.mark.slow
 def test_frozen_adapters_survive_save_and_load(tmp_path):
   prov = qtrain.QtProvider([qtrain.QtRule(module_path=".*", weight_qtype="int4", tile_size=4,
                                           lora_rank=2, lora_alpha=4.0)])
@@ -456,6 +466,7 @@ def test_nnx_needs_sample_inputs_and_a_params_stream():
     qtrain.quantize_model(NnxNet(nnx.Rngs(0)), prov, x, rngs=nnx.Rngs(params=1))
 
 
+@pytest.mark.slow
 def test_nnx_lora_trains_adapters_only_and_merges_and_freezes():
   x, y = _data()
   prov = qtrain.QtProvider([qtrain.QtRule(module_path=".*", weight_qtype="int4", tile_size=4,
@@ -511,6 +522,7 @@ def _nnx_float_adapted(m, x):
   return lin(m.l3, h)
 
 
+@pytest.mark.slow
 def test_nnx_frozen_adapters_survive_save_and_load(tmp_path):
   x, _ = _data(8)
   prov = qtrain.QtProvider([qtrain.QtRule(module_path=".*", weight_qtype="int4", tile_size=4,

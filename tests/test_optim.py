@@ -45,6 +45,7 @@ def test_bop_flip_rule_and_momentum():
   np.testing.assert_allclose(state2.momentum["w"], 0.75 * g)
 
 
+@pytest.mark.slow
 def test_bop_learns_signs_and_binary_optimizer_routes():
   target = jnp.sign(jax.random.normal(jax.random.key(0), (256,)))
   w0 = jnp.sign(jax.random.normal(jax.random.key(1), (256,)))
@@ -64,6 +65,7 @@ def test_bop_learns_signs_and_binary_optimizer_routes():
   np.testing.assert_allclose(params["float"]["scale"], [3.0], atol=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["int8", "int4", "int2"])
 def test_lowbit_round_trip_and_storage(qtype):
   w = jax.random.normal(jax.random.key(0), (64, 32))
@@ -79,6 +81,7 @@ def test_lowbit_round_trip_and_storage(qtype):
   np.testing.assert_allclose(f(p), optim.from_lowbit(p)["k"].sum(), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_small_updates_survive_only_with_stochastic_rounding():
   n, steps = 8192, 40
   w = jax.random.uniform(jax.random.key(0), (n, 1), minval=-1, maxval=1)
@@ -100,6 +103,7 @@ def test_small_updates_survive_only_with_stochastic_rounding():
     optim.lowbit_apply_updates(p0, upd)
 
 
+@pytest.mark.slow
 def test_lowbit_training_beats_nearest_and_saves_memory():
   """Linear regression on int8-stored weights with updates far below half a step."""
   k, n = 64, 16

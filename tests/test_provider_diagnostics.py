@@ -63,6 +63,7 @@ IDS = jnp.arange(6).reshape(2, 3)
 
 class TestUnmatchedRules:
 
+  @pytest.mark.slow
   def test_linen_warns_once_at_first_call_with_near_misses(self):
     p = qtrain.QtProvider([qtrain.QtRule(module_path="mlp", weight_qtype="int8"),
                            qtrain.QtRule(module_path=".*", weight_qtype="int8")])
@@ -126,6 +127,7 @@ class TestNoHookNoise:
           [qtrain.QtRule(module_path=".*", weight_qtype="int8")]))
     m(IDS)
 
+  @pytest.mark.slow
   def test_user_modules_aggregated_flax_op_layers_named(self):
     class Raw(nnx.Module):
       def __init__(self, rngs):
@@ -195,6 +197,7 @@ class ScanNet(nn.Module):
 
 class TestScanQuantStats:
 
+  @pytest.mark.slow
   def test_missing_quant_stats_axis_names_the_fix(self):
     p = qtrain.QtProvider([qtrain.QtRule(module_path=".*", weight_qtype="int8",
                                          act_qtype="int8", act_static_scale=True)])
@@ -225,6 +228,7 @@ class _Moe(nn.Module):
     return jax.lax.ragged_dot(x, w, group_sizes)
 
 
+@pytest.mark.slow
 def test_ragged_dot_is_quantized_and_a_rule_restricted_to_other_ops_leaves_it_float():
   """A rule that quantizes ragged_dot (issue 20): the op is quantized (recorded, listed by the
   summary, close to the float model); a rule restricted to other ops leaves it float without

@@ -86,6 +86,7 @@ def _assert_all_equal(a, b):
     np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit_quantized", [False, True])
 def test_float_results_bit_identical_before_and_after(jit_quantized):
   before = _float_results()

@@ -90,6 +90,7 @@ def test_readme_rules_on_nnx_attention(weight_scales):
                              rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frontend", ["linen", "nnx"])
 def test_tile_not_dividing_the_contraction_names_the_layer_and_rule(frontend):
   rules = qtrain.QtProvider([qtrain.QtRule(module_path="query"),

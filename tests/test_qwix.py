@@ -48,6 +48,7 @@ def _assert_differ(a, b):
              for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
+@pytest.mark.slow
 def test_qt_rule_trains_as_the_qtrain_rule_it_stands_for_with_qwix_rng_stream():
   common = dict(module_path=".*", weight_qtype=jnp.int8, act_qtype=jnp.int8, bwd_qtype=jnp.int8,
                 bwd_stochastic_rounding="uniform")
@@ -73,6 +74,7 @@ def test_empty_op_names_means_every_op_and_a_list_restricts():
   assert {r.op_name for r in only.records() if r.rule_index == 0} == {"einsum"}
 
 
+@pytest.mark.slow
 def test_rule_without_weight_qtype_leaves_the_op_float_as_qwix_does():
   x = _x()
   float_model = _Net()
@@ -86,6 +88,7 @@ def test_rule_without_weight_qtype_leaves_the_op_float_as_qwix_does():
   assert not np.array_equal(np.asarray(qt.apply(params, x)), np.asarray(float_model.apply(params, x)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text, cal", [
     ("absmax,0.9", qarray.Calibration(method="absmax", multiplier=0.9)),
     ("rms,3", qarray.Calibration(method="rms", multiplier=3.0)),
@@ -154,6 +157,7 @@ def test_quantization_rule_is_a_plain_rule_without_backward():
   assert qwix.to_qtrain_rule(r) is r
 
 
+@pytest.mark.slow
 def test_nnx_quantize_model_returns_a_quantized_copy_and_reads_the_qwix_stream():
   from flax import nnx
   x = _x().reshape(10, 4)
@@ -177,6 +181,7 @@ def test_nnx_quantize_model_returns_a_quantized_copy_and_reads_the_qwix_stream()
     qwix.quantize_model(model, qwix.QtProvider([rule]), x, call_method="encode")
 
 
+@pytest.mark.slow
 def test_nnx_set_attributes_disable_quant_stats_update_freezes_static_scales():
   from flax import nnx
   x = jax.random.normal(jax.random.key(0), (3, 8))
@@ -224,6 +229,7 @@ def _trained_qt(rules, x, steps=3):
   return qt, v
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("static", [False, True])
 def test_linen_ptq_from_a_qt_model_predicts_what_its_forward_does(static):
   """qwix's PTQ flow: template from eval_shape(ptq_model.init), quantize_params(QT params,
@@ -260,6 +266,7 @@ def test_linen_ptq_from_a_qt_model_predicts_what_its_forward_does(static):
   assert not np.array_equal(want, np.asarray(_Mlp().apply({"params": v["params"]}, x)))
 
 
+@pytest.mark.slow
 def test_linen_ptq_init_is_usable_and_quantize_params_takes_float_params():
   """PtqModel.init's own variables run; quantize_params of the float model's params equals
   them (the same weights, frozen once)."""
@@ -276,6 +283,7 @@ def test_linen_ptq_init_is_usable_and_quantize_params_takes_float_params():
                                 np.asarray(ptq.apply(v, x)))
 
 
+@pytest.mark.slow
 def test_linen_ptq_errors_name_what_is_wrong():
   rules = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8", act_qtype="int8",
                                  act_static_scale=True)]
@@ -422,6 +430,7 @@ def test_ptq_on_the_packed_kernels_predicts_the_qt_forward_gpu(weight_qtype, imp
   assert np.all(np.abs(out - ref) <= bound), float(np.max(np.abs(out - ref) / bound))
 
 
+@pytest.mark.slow
 def test_linen_ptq_params_save_and_restore_with_orbax(tmp_path):
   """Offline quantization: PTQ params saved with orbax and restored into the abstract template
   (jax.eval_shape of ptq_model.init) predict as before, bit for bit."""
@@ -474,6 +483,7 @@ def test_quantize_model_takes_qwix_methods():
                         methods=("decode",))
 
 
+@pytest.mark.slow
 def test_ptq_and_qt_models_export_with_a_symbolic_batch():
   """jax.export with a shape variable for the batch (qwix's symbolic-export flow): the exported
   PTQ / QT forward computes, at each concrete batch size, what the model's apply does (the
@@ -498,6 +508,7 @@ def test_ptq_and_qt_models_export_with_a_symbolic_batch():
       assert not np.array_equal(got, fp[:n])
 
 
+@pytest.mark.slow
 def test_quantize_params_allow_extra_params_drops_what_the_ptq_model_never_uses():
   """qwix's allow_extra_params: params the PTQ template has no place for (a loss head the served
   method never calls) raise, naming them, unless allowed, and are then dropped; whole variables
@@ -551,6 +562,7 @@ def test_nnx_quantize_params_extra_params_raise_unless_allowed():
   np.testing.assert_array_equal(np.asarray(abstract(x)), np.asarray(want(x)))
 
 
+@pytest.mark.slow
 def test_linen_ptq_takes_partitioned_params():
   """nn.with_partitioning on the kernel and bias (qwix's sharded-model case): PtqModel.init
   freezes the boxed kernel, quantize_params takes the unboxed float params (the template keeps
@@ -627,6 +639,7 @@ def _prequantized(w: jax.Array, *, tile: int | None, minmax: bool = False):
   return leaf, np.asarray(qarray.dequantize(q))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tile, minmax", [(4, False), (None, True)])
 def test_process_prequantized_params_dequantizes_into_float_and_qt_models(tile, minmax):
   """qwix's full-precision path of offline quantization: a checkpoint's {qvalue, scale

@@ -19,6 +19,7 @@ class _Mlp(nn.Module):
     return nn.Dense(4, name="out")(nn.relu(nn.Dense(32, name="hidden")(x)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype,bits,tile", [("int8", 8, None), ("int4", 4, 8), ("int8", 8, 4)])
 def test_linen_qt_to_ptq_round_trip_is_within_the_qtypes_error_of_float64(qtype, bits, tile):
   """QT params -> quantize_params -> PTQ apply: each weight's QArray dequantizes to the float
@@ -52,6 +53,7 @@ def test_linen_qt_to_ptq_round_trip_is_within_the_qtypes_error_of_float64(qtype,
   assert np.max(np.abs(got - ref)) <= (0.05 if bits == 8 else 0.3) * np.abs(ref).max()
 
 
+@pytest.mark.slow
 def test_static_scale_statistics_have_qwix_names_and_meaning():
   """linen and nnx: <op id>_lhs = {count (int32), sum_of_absmax (1, 1) float32}: the number of
   calibration batches and the sum of each batch's mean per-token absmax; the scale is

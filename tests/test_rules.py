@@ -118,6 +118,7 @@ class TestProvider:
     with pytest.raises(ValueError, match=r"rules\[1\]"):
       qtrain.QtProvider([qtrain.QtRule(), {"weight_qtype": "int8"}])
 
+  @pytest.mark.slow
   def test_summary_warns_for_unused_rules(self):
     import flax.linen as nn
     p = qtrain.QtProvider([qtrain.QtRule(module_path="layers_0", weight_qtype="int8"),
@@ -144,6 +145,7 @@ class TestProvider:
 
 class TestEinsumPlanner:
 
+  @pytest.mark.slow
   @pytest.mark.parametrize("spec, ls, rs", [
       ("bi,ij->bj", (3, 4), (4, 5)),
       ("bi,ji->bj", (3, 4), (5, 4)),

@@ -141,6 +141,7 @@ def test_round_nearest_matches_reference_ties_to_even_code(name):
     np.testing.assert_array_equal(vals, [0, 1, 1, 2, 2, 4, 4, -4])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["nf4", "mxfp4"])
 @pytest.mark.parametrize("method", rounding.STOCHASTIC_METHODS)
 def test_stochastic_rounding_is_unbiased_between_neighbours(name, method):
@@ -167,6 +168,7 @@ def test_stochastic_rounding_is_unbiased_between_neighbours(name, method):
 # ----------------------------------------------------------------------------- quantize
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("axis", [-1, 0])
 @pytest.mark.parametrize("name", NEW)
@@ -206,6 +208,7 @@ def test_quantize_matches_float64_reference(name, axis, dtype):
     assert np.all(chosen <= dist.min(-1) + 4 * U32 * (np.abs(xf) + sf))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NEW)
 def test_nonfinite_blocks_are_nan_and_others_untouched(name):
   x = _rows((4, 128), 5)
@@ -222,6 +225,7 @@ def test_nonfinite_blocks_are_nan_and_others_untouched(name):
   np.testing.assert_array_equal(deq[0], np.asarray(clean.dequantize())[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NEW)
 def test_empty_and_all_zero(name):
   block = qtypes.get_qtype(name).block_size
@@ -232,6 +236,7 @@ def test_empty_and_all_zero(name):
   np.testing.assert_array_equal(np.asarray(z.dequantize()), 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mxfp8", "mxfp4"])
 def test_e8m0_range_extremes(name):
   """Blocks near the float32 limit and far below its smallest normal: finite scales on the

@@ -41,6 +41,7 @@ def _np_pack_reference(values, bits, binary):
   return out.astype(np.uint32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", PACKABLE)
 @_SETTINGS
 @hypothesis.given(data=st.data())
@@ -75,6 +76,7 @@ def test_layout_int4_hand_built():
   np.testing.assert_array_equal(np.asarray(packing.unpack(words, "int4", size=9)), [v])
 
 
+@pytest.mark.slow
 def test_layout_binary_ternary_int2_int8_hand_built():
   # binary: bit 1 for +1, 0 for -1; the ragged tail pads with 0 (decodes to -1).
   b = [1, -1, -1, 1, 1]

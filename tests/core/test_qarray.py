@@ -232,6 +232,7 @@ def test_percentile_calibration(pct):
     _check_symmetric_clip(q, x, qt)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("data", ["mixed", "positive", "negative"])
 def test_minmax_asymmetric_zero_point(qtype, data):
@@ -349,6 +350,7 @@ def test_all_zero_input_gives_finite_scales_and_exact_zeros(qtype, method):
   np.testing.assert_array_equal(np.asarray(qarray.dequantize(q)), np.zeros((4, 64)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype,method", CAL_CASES)
 def test_nan_and_inf_are_visible_in_their_group_only(qtype, method):
   x = _rand((5, 64), 21)
@@ -404,6 +406,7 @@ _SETTINGS = hypothesis.settings(max_examples=20, deadline=None, database=None,
                                 suppress_health_check=[hypothesis.HealthCheck.too_slow])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", INT_QTYPES + FP8_QTYPES)
 @_SETTINGS
 @hypothesis.given(data=_array_and_layout())
@@ -514,6 +517,7 @@ def test_two_entries_naming_one_axis_raise_naming_both(cw, tiles, match):
 # Zeros: what the docs promise (qtrain.core.qarray's module docstring), exactly.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ALL_QTYPES)
 def test_binary_fixed_maps_zero_to_plus_bound_in_nonzero_groups_every_other_case_keeps_zeros(qtype):
   x = _rand((4, 64), 31)
@@ -589,6 +593,7 @@ def test_as_calibration_strings_with_bad_arguments_raise_naming_them(text, match
 # Scales shared across shards (axis_names).
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["absmax", "minmax", "fixed"])
 @pytest.mark.parametrize("nonfinite", [False, True])
 def test_axis_names_give_every_shard_the_whole_arrays_scale(method, nonfinite):

@@ -310,6 +310,7 @@ def test_nonfinite_value_in_a_large_group_makes_its_group_nan(method, size, bad,
   assert np.isfinite(scale[1]) and np.isfinite(deq[1]).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["int8", "int7", "int5", "int4", "int3", "int2"])
 def test_minmax_span_near_the_smallest_normal_is_not_floored(qtype):
   """minmax's span / (qmax - qmin) near float32's smallest normal: each end divided on its own

@@ -100,6 +100,7 @@ def test_grouped_sums_the_rescued_groups():
   assert np.all(np.abs(out - exact)[ok] <= tol[ok])
 
 
+@pytest.mark.slow
 def test_quantized_dot_of_huge_times_tiny_is_finite_and_right():
   # int8 x int8 with scales ~1e35 and ~1e-32: acc * ls passes float32's max,
   # the product (~1e7) does not.
@@ -126,6 +127,7 @@ def test_under_jit_same_bits(out_dtype):
                                 np.asarray(eager, np.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("int_side", ["lhs", "rhs"])
 def test_integer_times_fp8_applies_scales_after_the_codes_product(int_side):
   """int8 x fp8 has no low-precision GEMM; its codes multiply in float32 and the scales

@@ -337,6 +337,7 @@ def check_quantize_new(dtype, shape, v, spec) -> None:
                          f"scale={se[bad][:4]}")
 
 
+@pytest.mark.slow
 @FAST
 @hypothesis.given(case=new_qtype_cases())
 def test_quantize_new_qtypes(case):

@@ -61,6 +61,7 @@ def test_int_sr_is_unbiased_and_error_shrinks_like_one_over_sqrt_n(method):
   assert 3.3 <= rms[64] / rms[1024] <= 4.8, rms
 
 
+@pytest.mark.slow
 def test_round_to_nearest_is_biased_where_sr_is_not():
   y = jnp.full((4096,), 0.3, jnp.float32)
   assert np.all(np.asarray(rounding.round_nearest(y, INT8)) == 0)  # bias -0.3
@@ -313,6 +314,7 @@ def test_hash_words_bytes_are_uniform_and_uncorrelated():
   assert np.all(np.abs(within) <= Z_MAX / np.sqrt(n)), within
 
 
+@pytest.mark.slow
 def test_hash_words_depend_on_every_key_word_and_on_shape_position():
   shape = (16, 257)
   base = np.asarray(rounding.hash_words(jax.random.key(3), shape))
@@ -333,6 +335,7 @@ def test_hash_words_depend_on_every_key_word_and_on_shape_position():
     np.testing.assert_array_equal(np.asarray(vm[i]), np.asarray(rounding.hash_words(keys[i], (5, 6))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "unsafe_rbg"])
 def test_low_bit_hash_takes_any_key_implementation(impl):
   y = jnp.full((1 << 16,), 0.3, jnp.float32)

@@ -47,6 +47,7 @@ class TestLayers:
     yf = nn.Dense(16).apply(v, X)
     assert 0 < _rel(y, yf) < 0.05  # quantized: close to float, not equal
 
+  @pytest.mark.slow
   def test_weight_only_int4_tiles(self):
     qm = qtrain.quantize_model(nn.Dense(16), _rules(weight_qtype="int4", tile_size=8))
     v = jax.jit(qm.init)(jax.random.key(1), X)
@@ -66,6 +67,7 @@ class TestLayers:
     np.testing.assert_allclose(y, want.sum(), rtol=1e-5)
     assert g["kernel"].shape == (64, 64)
 
+  @pytest.mark.slow
   def test_user_module_weight_by_identity_either_side(self):
     class WeightLeft(nn.Module):
       @nn.compact
@@ -96,6 +98,7 @@ class TestLayers:
     np.testing.assert_array_equal(qm.apply(v, X), Cast().apply(v, X))
     assert [r.status for r in p.records()] == ["float: no weight operand"]
 
+  @pytest.mark.slow
   @pytest.mark.parametrize("make, x, ops", [
       (lambda: nn.DenseGeneral((2, 4), axis=(-2, -1)), jnp.ones((4, 3, 8)), ["dot_general0"]),
       (lambda: nn.Conv(4, (3, 3)), jnp.ones((2, 6, 6, 3)), ["conv_general_dilated0"]),
@@ -130,6 +133,7 @@ class TestLayers:
                                         rhs=ops.OperandQuant(qtype="int8")))
     np.testing.assert_allclose(jax.jit(qm.apply)(v, x), want, rtol=1e-5, atol=1e-5)
 
+  @pytest.mark.slow
   def test_mha_projections_quantized_attention_float(self):
     x = jax.random.normal(jax.random.key(6), (2, 5, 16))
     p = _rules(**W8A8)
@@ -145,6 +149,7 @@ class TestLayers:
       assert st[(proj, "dot_general0")] == "quantized"
     assert st[("", "einsum0")] == st[("", "einsum1")] == "float: no weight operand"
 
+  @pytest.mark.slow
   def test_rule_without_qtype_keeps_float_and_op_names(self):
     class Two(nn.Module):
       @nn.compact
@@ -160,6 +165,7 @@ class TestLayers:
     st = {r.path: (r.rule_index, r.status) for r in p.records()}
     assert st == {"first": (1, "quantized"), "head": (0, "float: rule sets no qtype")}
 
+  @pytest.mark.slow
   def test_bf16_layer_promoted_kernel_copy(self):
     # dtype != param_dtype: the kernel reaching dot_general is a cast copy, not the parameter
     # object; the layer's calling convention still says it is the weight.
@@ -173,6 +179,7 @@ class TestLayers:
     assert _rel(y.astype(jnp.float32), yf.astype(jnp.float32)) < 0.05
     assert [r.status for r in p.records()] == ["quantized"]
 
+  @pytest.mark.slow
   def test_param_tree_is_the_float_models(self):
     model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(2)])
     qm = qtrain.quantize_model(model, _rules(**W8A8))
@@ -196,6 +203,7 @@ class _Seq2Seq(nn.Module):
 
 class TestMethods:
 
+  @pytest.mark.slow
   def test_other_methods_are_quantized_through_apply_and_init(self):
     """``apply(..., method=...)`` with another method of the model (its name, the class's
     function, or a function taking the model) runs it quantized, as ``__call__`` is: the same
@@ -285,6 +293,7 @@ class TestTransforms:
     assert ("u", "dot_general0", "quantized") in {(r.path, r.op_id, r.status) for r in p2.records()}
     assert l1 != (Net(remat=False).apply(v, X) ** 2).mean()
 
+  @pytest.mark.slow
   def test_no_retrace_per_step(self):
     qm = qtrain.quantize_model(nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(4)]),
                                _rules(**W8A8, bwd_qtype="int8", bwd_stochastic_rounding="uniform"))
@@ -325,6 +334,7 @@ class TestState:
         **W8A8, act_static_scale=True, act_static_scale_averaging=averaging,
         act_static_scale_ema_decay=0.5))
 
+  @pytest.mark.slow
   def test_static_scale_calibrate_then_frozen(self):
     qm = self._static()
     v = jax.jit(qm.init)(jax.random.key(1), X)

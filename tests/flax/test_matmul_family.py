@@ -80,6 +80,7 @@ def _value_and_grads(model, params, x, key):
 
 class TestLinen:
 
+  @pytest.mark.slow
   @pytest.mark.parametrize("form", sorted(set(FORMS) - {"inner", "inner_reference"}))
   def test_forward_and_gradients_equal_dense_bit_for_bit(self, form):
     dense = qtrain.quantize_model(LinenModel("dense"), _provider(**RULE))
@@ -103,6 +104,7 @@ class TestLinen:
     assert "proj         dot_general0  0     rhs     int8     int8     int8     quantized" in \
         qtrain.summary(qm)
 
+  @pytest.mark.slow
   def test_inner_equals_the_direct_dot_general_bit_for_bit(self):
     ref = qtrain.quantize_model(LinenModel("inner_reference"), _provider(**RULE))
     params = ref.init(jax.random.key(1), X)["params"]
@@ -118,6 +120,7 @@ class TestLinen:
     assert [(r.op_id, r.status, r.weight_operand) for r in p.records()] == [
         ("dot_general0", "quantized", "rhs")]
 
+  @pytest.mark.slow
   def test_weight_on_the_left_and_batched_matmul(self):
     class Forms(nn.Module):
       @nn.compact
@@ -157,6 +160,7 @@ class TestLinen:
     assert [(r.op_id, r.status) for r in p.records()] == [
         ("dot_general0", "float: no weight operand"), ("dot_general1", "float: no weight operand")]
 
+  @pytest.mark.slow
   def test_flax_layers_matmuls_pass_through(self):
     """nn.Embed.attend computes jnp.dot itself: its frame passes the call (no op recorded),
     exactly float; the Dense beside it is quantized as before."""
@@ -180,6 +184,7 @@ class TestLinen:
     hidden = mid.apply({"params": v["params"]["mid"]}, table[ids])
     np.testing.assert_array_equal(out, jnp.dot(hidden, table.T))
 
+  @pytest.mark.slow
   def test_lifted_user_module_is_the_users(self):
     """nn.remat(UserModule) is a class Flax derives from the user's: its matmuls are caught."""
     p = _provider(**RULE)
@@ -233,6 +238,7 @@ class NnxProduct(nnx.Module):
 
 class TestNnx:
 
+  @pytest.mark.slow
   @pytest.mark.parametrize("form", ["dot", "tensordot", "tensordot_pairs", "matmul", "lax.dot",
                                     "x.dot"])
   def test_forward_and_gradients_equal_linear_bit_for_bit(self, form):
@@ -288,6 +294,7 @@ def test_the_float_forms_are_jaxs_own_again_after_a_call():
   assert jax.lax.dot.__name__ == "dot" and "_dispatch" not in type(X).dot.__name__
 
 
+@pytest.mark.slow
 def test_vdot_of_vectors_is_jnp_dot_and_other_ranks_stay_float():
   class Vdot(nn.Module):
     @nn.compact

@@ -50,6 +50,7 @@ class TestLayers:
     g = nnx.grad(lambda m: m(x).sum())(m)
     assert g.kernel[...].shape == (64, 64)
 
+  @pytest.mark.slow
   @pytest.mark.parametrize("make, x, op", [
       (lambda r: nnx.LinearGeneral((3, 8), (2, 4), axis=(-2, -1), rngs=r), (4, 3, 8), "dot_general"),
       (lambda r: nnx.Conv(3, 4, (3, 3), rngs=r), (2, 6, 6, 3), "conv_general_dilated"),
@@ -88,6 +89,7 @@ class TestLayers:
     assert {r.path for r in p.records() if r.status == "quantized"} == \
         {"query", "key", "value", "out"}
 
+  @pytest.mark.slow
   def test_user_module_with_hook_attribute_and_direct_call(self):
     class Hooked(nnx.Module):
       def __init__(self, rngs):
@@ -147,6 +149,7 @@ class TestLayers:
     with pytest.raises(ValueError, match="already quantized"):
       qtrain.quantize_model(m, _rules(**W8A8))
 
+  @pytest.mark.slow
   def test_summary_of_nnx_model(self):
     m = qtrain.quantize_model(nnx.Linear(32, 4, rngs=nnx.Rngs(0)), _rules(**W8A8))
     m(X)
@@ -194,6 +197,7 @@ class TestTransforms:
     g = nnx.grad(lambda s: fwd(s, X).sum())(stack)
     assert g.a.kernel[...].shape == (3, 32, 16)
 
+  @pytest.mark.slow
   def test_remat_equal_to_plain(self):
     m = qtrain.quantize_model(Block(nnx.Rngs(0)), _rules(**W8A8, bwd_qtype="int8"))
     plain = nnx.jit(nnx.value_and_grad(lambda m: (m(X) ** 2).mean()))
@@ -202,12 +206,14 @@ class TestTransforms:
     np.testing.assert_allclose(l1, l2, rtol=1e-6)
     chex.assert_trees_all_close(nnx.state(g1), nnx.state(g2), rtol=1e-5, atol=1e-6)
 
+  @pytest.mark.slow
   def test_vmap_matches_batched(self):
     m = qtrain.quantize_model(nnx.Linear(32, 16, rngs=nnx.Rngs(0)), _rules(**W8A8))
     yb = m(X)
     yv = nnx.vmap(lambda m, x: m(x[None])[0], in_axes=(None, 0))(m, X)
     np.testing.assert_allclose(yv, yb, rtol=1e-5, atol=1e-5)
 
+  @pytest.mark.slow
   def test_no_retrace_per_step(self):
     m = qtrain.quantize_model(Block(nnx.Rngs(0)), _rules(
         **W8A8, bwd_qtype="int8", bwd_stochastic_rounding="uniform"), rngs=nnx.Rngs(quant=0))
@@ -228,6 +234,7 @@ class TestTransforms:
 
 class TestState:
 
+  @pytest.mark.slow
   def test_static_scale_calibrate_then_frozen(self):
     rules = _rules(**W8A8, act_static_scale=True)
     with pytest.raises(ValueError, match="sample inputs"):
@@ -237,6 +244,7 @@ class TestState:
     ref = ops.dot_general_qt(X * 10, m.kernel[...], DN, _cfg(), lhs_scale=jnp.asarray(want))
     np.testing.assert_allclose(y, ref + m.bias[...], rtol=1e-5, atol=1e-5)
 
+  @pytest.mark.slow
   @pytest.mark.parametrize("qtype, grad", [("int8", "lsq"), ("binary", "bitorch")])
   def test_learnable_scale_and_shift_train_with_nnx_optimizer(self, qtype, grad):
     m = qtrain.quantize_model(nnx.Linear(32, 8, rngs=nnx.Rngs(0)), _rules(
@@ -273,6 +281,7 @@ class TestRng:
     m = qtrain.quantize_model(nnx.Linear(32, 8, rngs=nnx.Rngs(0)), rules, rngs=nnx.Rngs(0))
     assert m.dot_general.rng is not None
 
+  @pytest.mark.slow
   def test_deterministic_per_seed_and_different_per_step(self):
     rules = lambda: _rules(**W8A8, bwd_qtype="int8", bwd_stochastic_rounding="uniform")
     grads = []

@@ -64,6 +64,7 @@ def _loss(m, x):
 
 class TestSameAsLayers:
 
+  @pytest.mark.slow
   def test_forward_and_gradients_equal_the_linear_model_bit_for_bit(self):
     d, lin = _pair()
     float_y = d(X)
@@ -131,6 +132,7 @@ class TestSameAsLayers:
     np.testing.assert_allclose(m(X), want, rtol=1e-6, atol=1e-6)
     assert [(r.op_id, r.weight_operand) for r in p.records()] == [("einsum0", "lhs")]
 
+  @pytest.mark.slow
   def test_module_with_a_linear_child_and_a_direct_einsum_quantizes_each_once(self):
     class Mixed(nnx.Module):
       def __init__(self, rngs):
@@ -152,6 +154,7 @@ class TestSameAsLayers:
         ("", "einsum0", "quantized"), ("proj", "dot_general0", "quantized")]
     assert isinstance(m.proj.dot_general, qtrain.QtOp) and isinstance(m.einsum0, qtrain.QtOp)
 
+  @pytest.mark.slow
   def test_flax_attention_inside_a_user_module_keeps_its_own_ops(self):
     class Att(nnx.Module):
       def __init__(self, rngs):
@@ -179,6 +182,7 @@ class TestSameAsLayers:
     want = ops.dot_general_qt(mixed, m.w[...], (((2,), (0,)), ((), ())), cfg)
     np.testing.assert_allclose(m(x), want, rtol=1e-5, atol=1e-5)
 
+  @pytest.mark.slow
   def test_other_methods_and_matmul_forms(self):
     class Enc(nnx.Module):
       def __init__(self, rngs):
@@ -225,6 +229,7 @@ class TestSameAsLayers:
 
 class TestTraining:
 
+  @pytest.mark.slow
   def test_optax_steps_under_nnx_jit_reduce_the_loss_without_retracing(self):
     d, _ = _pair()
     qtrain.quantize_model(d, _provider(**W8A8G8), X)
@@ -272,6 +277,7 @@ class TestTraining:
     resumed += [float(step(m, opt)) for _ in range(3)]
     assert resumed == straight
 
+  @pytest.mark.slow
   def test_stochastic_rounding_keys_per_op_deterministic_per_seed(self):
     rules = dict(**W8A8G8, bwd_stochastic_rounding="uniform")
     grads = []
@@ -289,6 +295,7 @@ class TestTraining:
                        r"nnx.Rngs\(quant=seed\)"):
       qtrain.quantize_model(_pair()[0], _provider(**rules), X)
 
+  @pytest.mark.slow
   def test_static_scale_calibrates_then_stops(self):
     d, _ = _pair()
     qtrain.quantize_model(d, _provider(weight_qtype="int8", act_qtype="int8",
@@ -318,6 +325,7 @@ class TestTraining:
 
 class TestStacked:
 
+  @pytest.mark.slow
   def test_vmap_stack_run_by_scan_gets_stacked_state_and_keys(self):
     class Blk(nnx.Module):
       def __init__(self, rngs):
@@ -409,6 +417,7 @@ class TestErrors:
       qtrain.quantize_model(_pair()[0], _provider(weight_qtype="int8", lora_rank=4), X,
                             rngs=nnx.Rngs(params=0))
 
+  @pytest.mark.slow
   def test_lora_merge_leaves_direct_calls_float(self):
     class WithAdapter(nnx.Module):
       def __init__(self, rngs):

@@ -111,6 +111,7 @@ class TestLinen:
     assert lq[-1] < 0.6 * lq[0]
     assert abs(lq[-1] - lf[-1]) < 0.15 * lf[-1] + 0.02, (lq[-1], lf[-1])
 
+  @pytest.mark.slow
   def test_op_names_and_the_float_model_untouched(self):
     class Small(nn.Module):
       @nn.compact
@@ -136,6 +137,7 @@ class TestLinen:
     np.testing.assert_array_equal(Small().apply(params, x, sizes), want)
     assert jax.lax.ragged_dot.__name__ == "ragged_dot"
 
+  @pytest.mark.slow
   def test_ragged_dot_general_of_the_same_meaning_is_quantized(self):
     """rhs stored (G, N, K): ragged_dot_general with rhs contracting axis 2 is the op on the
     transposed weight, bit for bit; a ragged contraction (another meaning) stays float,
@@ -171,6 +173,7 @@ class TestLinen:
     assert any("ragged_dot in module ''" in m and "unsupported form" in m
                for m in _qwarnings(rec)), _qwarnings(rec)
 
+  @pytest.mark.slow
   def test_unsupported_rules_raise_naming_the_rule_and_what_is_valid(self):
     x, _ = _data(16)
     with pytest.raises(ValueError, match=r"rules\[0\].*lora_rank=4.*ragged_dot in module "

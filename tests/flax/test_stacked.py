@@ -166,6 +166,7 @@ class TestUserModules:
     assert g.blocks.w[...].shape == (N, D, D)
     assert bool(jnp.all(jnp.isfinite(g.blocks.w[...])))
 
+  @pytest.mark.slow
   def test_without_sample_inputs_is_a_clear_error(self):
     with pytest.raises(ValueError, match=r"rules\[0\].*'blocks' \(Hooked\).*pass sample inputs"):
       qtrain.quantize_model(Net(Hooked), _provider(**SR), rngs=nnx.Rngs(quant=0))
@@ -202,6 +203,7 @@ class TestState:
       np.testing.assert_allclose(op.act_scale[...], want, rtol=1e-5)
     assert len(set(np.asarray(want).round(8))) == N  # the layers' values differ
 
+  @pytest.mark.slow
   def test_sample_forward_on_the_bare_stack_names_the_stacked_layers(self):
     with pytest.raises(ValueError, match=r"sample forward failed.*'lin \(3,\)'.*nnx.scan"):
       qtrain.quantize_model(_vmap_stack(), _provider(weight_qtype="int8", act_qtype="int8",

@@ -98,6 +98,7 @@ def test_mosaic_gemm_off_gpu_says_so():
     mg.mosaic_gemm(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("out_dtype, budget", [(jnp.float32, 2.0**-22), (jnp.bfloat16, 2.0**-8)])
 def test_reference_matches_float64(out_dtype, budget):
   ks = jax.random.split(jax.random.key(1), 4)
@@ -124,6 +125,7 @@ def _int8_qarrays(m, k, n, seed=0, lhs_qtype="int8"):
   return x, w
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("lhs_qtype", ["int8", "int4", "binary"])
 def test_plan_gemm_gives_the_xla_paths_numbers(out_dtype, lhs_qtype):
@@ -139,6 +141,7 @@ def test_plan_gemm_gives_the_xla_paths_numbers(out_dtype, lhs_qtype):
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.slow
 def test_plan_gemm_refuses_what_it_cannot_take():
   x, w = _int8_qarrays(256, 384, 512)
   with pytest.raises(Unsupported, match="lhs is not a QArray"):

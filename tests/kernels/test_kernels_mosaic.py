@@ -230,6 +230,7 @@ def test_int8_activation_check_has_teeth():
   assert np.array_equal(a2, 64 * w2) and np.mean(bad != 64 * w2) > 0.5
 
 
+@pytest.mark.slow
 def test_pack_binary_round_trip_and_permutations():
   rng = np.random.default_rng(4)
   w = np.where(rng.random((5, 384)) > 0.5, 1, -1).astype(np.int8)
@@ -326,6 +327,7 @@ def test_tiled_weights_fix_the_config_tiles():
     mm.default_config(big, 128)
 
 
+@pytest.mark.slow
 def test_unsupported_calls_are_told_apart_from_wrong_ones():
   # "auto" falls back to XLA on UnsupportedCall only; a mismatched x is the caller's error.
   w = mm.prepare_mosaic_weight(jnp.ones((8, 512), jnp.int8), "int8")
@@ -344,6 +346,7 @@ def test_unsupported_calls_are_told_apart_from_wrong_ones():
   np.testing.assert_allclose(np.asarray(got), np.asarray(x) @ np.ones((512, 8)), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_prepare_pads_and_lays_out():
   rng = np.random.default_rng(5)
   v = jnp.asarray(rng.integers(-8, 8, (300, 1000)), jnp.int8)
@@ -359,6 +362,7 @@ def test_prepare_pads_and_lays_out():
   np.testing.assert_array_equal(ml.unpack_binary(b.data, 1024)[:300, :1000], np.where(v > 0, 1, -1))
 
 
+@pytest.mark.slow
 def test_prepare_and_matmul_errors():
   v = jnp.ones((8, 512), jnp.int8)
   with pytest.raises(ValueError, match="qtype='ternary'"):
@@ -409,6 +413,7 @@ def test_reference_matches_float64():
   assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 1e-5 * np.max(np.abs(ref))
 
 
+@pytest.mark.slow
 def test_dispatch_mosaic_off_gpu_and_unsupported():
   x = jax.random.normal(jax.random.key(0), (4, 256), jnp.bfloat16)
   wq = qa.quantize(jax.random.normal(jax.random.key(1), (256, 64)),
@@ -431,6 +436,7 @@ def test_dispatch_mosaic_off_gpu_and_unsupported():
                                    preferred_element_type=jnp.float32, implementation="triton")
 
 
+@pytest.mark.slow
 def test_plan_mosaic_canonicalises_a_qarray():
   x = jax.random.normal(jax.random.key(0), (2, 3, 256), jnp.bfloat16)
   w = jax.random.normal(jax.random.key(1), (256, 40))
@@ -485,6 +491,7 @@ def test_mosaic_weight_values_undo_the_storage_order(qtype, lo, hi, order, tiles
   np.testing.assert_array_equal(back, v)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", mm.QTYPES)
 @pytest.mark.parametrize("act", ["bfloat16", "int8"])
 def test_auto_runs_a_mosaic_weight_anywhere(qtype, act):

@@ -32,6 +32,7 @@ def run(request) -> dict:
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,spec", [("m", ["data", None]), ("m_n", ["data", "model"])])
 def test_gemm_sharded_along_m_and_n_computes_each_block_locally(run, case, spec):
   r = run[case]

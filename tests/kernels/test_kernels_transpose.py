@@ -32,6 +32,7 @@ def test_transpose_kernel_matches_jnp(shape, perm, dtype):
                                 np.transpose(np.asarray(x.astype(jnp.float32)), perm))
 
 
+@pytest.mark.slow
 def test_transpose_uses_the_kernel_exactly_where_it_applies():
   def has_pallas(x, perm):
     jaxpr = jax.make_jaxpr(functools.partial(tp.transpose, perm=perm, interpret=True))(x)

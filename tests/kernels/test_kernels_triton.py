@@ -34,6 +34,7 @@ def _sign(rng, shape):
   return jnp.asarray(np.where(rng.random(shape) > 0.5, 1, -1), jnp.int8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype,lo,hi", [("binary", -1, 2), ("ternary", -1, 2), ("int2", -2, 2),
                                          ("int4", -8, 8), ("int8", -128, 128)])
 def test_plane_layout_roundtrip(qtype, lo, hi):
@@ -89,6 +90,7 @@ def test_binary_x_binary(method, config):
   np.testing.assert_array_equal(out, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype,lo,hi,group,zero,act,config,kn", [
     ("int4", -8, 8, None, False, "int8", SMALL, False),
     ("int4", -8, 8, 64, True, "int8", NOBYTE, False),
@@ -127,6 +129,7 @@ def test_nbit_matmul(qtype, lo, hi, group, zero, act, config, kn):
     assert _rel(out, ref) < FLOAT_BUDGET
 
 
+@pytest.mark.slow
 def test_nbit_integer_partial_sums_exact():
   """Unit group scales: the group-wise int8 path gives exact integers."""
   rng = np.random.default_rng(3)
@@ -138,6 +141,7 @@ def test_nbit_integer_partial_sums_exact():
   np.testing.assert_array_equal(np.asarray(out, np.int64), exact)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m,k,n,config", [(1, 100, 20, SMALL), (40, 300, 50, SPLIT)])
 def test_int8_matmul(m, k, n, config):
   rng = np.random.default_rng(m + k)
@@ -150,6 +154,7 @@ def test_int8_matmul(m, k, n, config):
   np.testing.assert_array_equal(out, ref)
 
 
+@pytest.mark.slow
 def test_kernels_under_jit():
   rng = np.random.default_rng(11)
   x, wv = _acts(rng, 6, 64, "int8"), _sign(rng, (20, 64))
@@ -177,6 +182,7 @@ def test_validation_messages():
                       config=BlockConfig(block_m=16, block_n=256), interpret=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [SMALL, SPLIT])
 def test_int8_matmul_epilogue_survives_a_huge_times_tiny_scale(config):
   # (acc * x_scale) * w_scale overflows for x_scale ~1e35 and w_scale ~1e-32

@@ -259,6 +259,7 @@ def test_int8_backward_within_budget(case):
     assert 0 < rel <= 2.0 ** -6, rel
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_needs_key_and_is_keyed():
   case = "nhwc_same_int8"
   layout, xs, ws, *_, lq, rq = CASES[case]
@@ -274,6 +275,7 @@ def test_stochastic_rounding_needs_key_and_is_keyed():
     assert np.any(np.asarray(u) != np.asarray(t))
 
 
+@pytest.mark.slow
 def test_clipped_ste_masks_conv_gradient():
   case = "nhwc_same_int8"
   layout, xs, ws, *_ = CASES[case]
@@ -300,6 +302,7 @@ def test_residuals_are_quantized():
   assert not any(shape in (xs, ws) and jnp.issubdtype(d, jnp.floating) for shape, d in leaves), leaves
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype,cal", [("int8", "absmax"), ("binary", "absmean")])
 def test_1x1_conv_equals_dense_dot_general_qt(qtype, cal):
   n, h, wd, c, o = 3, 4, 5, 16, 8
@@ -334,6 +337,7 @@ def test_bad_conv_configs_raise():
                     config=_cfg(None, OQ(qtype="int8")), lhs_scale=jnp.ones(()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtypes", [("int8", "int8"), ("int8", "binary"), (None, "int4")])
 def test_forced_kernel_runs_the_conv_as_a_matrix_product(qtypes):
   """implementation is honoured for convolutions: a forced kernel (the Triton
@@ -359,6 +363,7 @@ def test_forced_kernel_runs_the_conv_as_a_matrix_product(qtypes):
     run("triton")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["triton", "mosaic", "interpret"])
 def test_forced_kernel_on_a_batch_grouped_conv_raises(impl):
   """batch_group_count > 1 stays XLA's convolution: a forced kernel says so."""
@@ -402,6 +407,7 @@ SCALE_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCALE_CASES))
 def test_passed_in_scales_of_any_shape(name):
   lkw, rkw = SCALE_CASES[name]
@@ -424,6 +430,7 @@ def test_passed_in_scales_of_any_shape(name):
   assert np.all(np.abs(out - ref) <= ACC_RTOL * absref), np.max(np.abs(out - ref) / absref)
 
 
+@pytest.mark.slow
 def test_learned_input_scale_gets_lsq_gradient():
   case = "nhwc_same_int8"
   layout, xs, ws, *_ = CASES[case]
@@ -680,6 +687,7 @@ def test_conv_bad_geometry_raises_naming_the_field():
     conv(dimension_numbers=("NHWC", "HWIX", "NHWC"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtypes,strides,padding,dil", [
     (("int8", "int8"), (1, 1), "SAME", (1, 1)),
     (("int8", "binary"), (2, 1), ((1, 2), (0, 1)), (1, 2)),

@@ -488,6 +488,7 @@ def test_conv_general_qt_rejects_non_float_inputs(side, dtype):
 # value 0, which is not nf4's code 0), so a quantized pair takes the float32 path of _path.
 
 
+@pytest.mark.slow
 @hypothesis.settings(FAST, max_examples=15)
 @hypothesis.given(case=conv_cases(new=True))
 def test_conv_general_qt_forward_nf4(case):

@@ -62,6 +62,7 @@ def test_integer_paths_match_xla(wq, tiles, lq):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wq,tiles", [("binary", None), ("int2", {0: 64}), ("int8", None)])
 def test_float_activation_paths_match_xla(wq, tiles):
   w = _quant(W, wq, (1,), tiles)
@@ -87,6 +88,7 @@ def test_multiple_contracting_dims():
   np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_auto_on_cpu_is_xla():
   w, x = _quant(W, "int4", (1,), {0: 32}), _quant(X, "int8", (0, 1))
   a = dispatch.quantized_dot_general(x, w, DENSE_DN, preferred_element_type=jnp.float32)
@@ -95,6 +97,7 @@ def test_auto_on_cpu_is_xla():
   np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_jit_and_prepared_weight():
   w = _quant(W.T, "binary", (0,))  # (N, K)
   pw = prepared.prepare_weight(w.qvalue, "binary", scale=w.scale[:, 0])
@@ -107,6 +110,7 @@ def test_jit_and_prepared_weight():
   np.testing.assert_array_equal(f(x, pw), ref)
 
 
+@pytest.mark.slow
 def test_unsupported_configs_raise():
   w8 = _quant(W, "int8", (1,))
   with pytest.raises(ValueError, match=r"implementation=.*; valid: \[.auto., .xla., .triton., .mosaic., .interpret.\]"):
@@ -248,6 +252,7 @@ def test_empty_lhs_with_a_prepared_weight_gives_zeros():
     assert out.shape == (0, 3, 40) and out.dtype == jnp.float32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["xla", "interpret"])
 def test_compute_dtype_casts_the_float_operand(impl):
   """compute_dtype brings a float operand to it before a kernel or XLA sees it:
@@ -274,6 +279,7 @@ def test_registry_names_every_implementation_once():
     dispatch.supports(X, W, DENSE_DN, implementation="cuda")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["triton", "interpret", "mosaic"])
 def test_forced_backend_raises_the_reason_supports_gives(impl):
   wf = _quant(W, "float8_e4m3fn", (1,))  # no kernel takes fp8 weights
@@ -287,6 +293,7 @@ def test_forced_backend_raises_the_reason_supports_gives(impl):
   assert dispatch.supports(_quant(X, "int8", (0, 1)), w8, DENSE_DN, implementation="interpret") is None
 
 
+@pytest.mark.slow
 def test_auto_policy_guards_a_chosen_kernel_by_platform():
   """Where a backend's auto_plan takes the call, "auto" emits the kernel for a
   CUDA lowering and XLA for every other platform (one platform_index switch);
@@ -323,6 +330,7 @@ def test_scale_tiled_along_a_free_axis_is_refused_not_crashed():
   np.testing.assert_allclose(out, np.asarray(g, np.float64) @ deq, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["int8", "int4"])
 def test_auto_at_training_size_traces_xla_alone(qtype):
   """Where no backend is preferred (M = 256, beyond every AUTO_KERNEL bucket that
@@ -338,6 +346,7 @@ def test_auto_at_training_size_traces_xla_alone(qtype):
   assert str(jax.make_jaxpr(auto)(x, w)) == str(jax.make_jaxpr(ref)(x, w))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wq, lq, tiles", [("int3", "int8", None), ("int5", "int8", {0: 32}),
                                            ("int7", None, None), ("int6", "int6", None)])
 def test_int3_to_int7_weights_run_their_container_kernels(wq, lq, tiles):

@@ -365,6 +365,7 @@ def _int8_grad_bounds_2d(x, w, ct, lq, rq):
   return bx, bw
 
 
+@pytest.mark.slow
 def test_int8_backward_within_rounding_budget_2d():
   dn, ls, rs = LAYOUTS["mk,kn"]
   lq, rq = CONFIGS["w8a8"]
@@ -508,6 +509,7 @@ def test_gemm_layout_leaves_gradients_unchanged(layout):
                                atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("edge", ["tiny_scale_big_gradient", "huge_scale_zero_codes"])
 def test_gradient_fold_keeps_channels_at_float32_edges(edge):
   """The backward folds w's per-channel scale into g before quantizing it
@@ -555,6 +557,7 @@ def test_gradient_fold_keeps_channels_at_float32_edges(edge):
   assert np.all(np.isinf(out[~finite]) & (np.sign(out[~finite]) == np.sign(ref[~finite])))
 
 
+@pytest.mark.slow
 def test_gradient_fold_with_batch_axes_listed_out_of_order():
   """The fold's power of two is kept per batch index in y's scale; with batch
   axes listed out of axis order ((3, 0) x (2, 0)) it must land on the right
@@ -584,6 +587,7 @@ def test_gradient_fold_with_batch_axes_listed_out_of_order():
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gq", ["int8", "float8_e4m3fn"])
 def test_gradient_fold_of_float32_max_gradients_stays_finite(gq):
   """A gradient near float32's max times a channel scale above 1 overflows, though where that
@@ -631,6 +635,7 @@ def test_gradient_fold_of_float32_max_gradients_stays_finite(gq):
 # Residuals are quantized.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["ste", "clipped_ste"])
 def test_residuals_are_quantized(estimator):
   dn, ls, rs = LAYOUTS["bmk,bnk"]
@@ -664,6 +669,7 @@ def test_residuals_keep_float_operand_only_when_unquantized():
 # Dtypes.
 
 
+@pytest.mark.slow
 def test_preferred_element_type_and_grad_dtypes():
   dn, ls, rs = LAYOUTS["bmk,kn"]
   cfg = _cfg(OQ(qtype="int8"), OQ(qtype="int8"), C.GradQuant(qtype="int8"), C.GradQuant(qtype="int8"))
@@ -704,6 +710,7 @@ def test_unquantized_config_is_a_plain_dot():
 # Estimator masks and learned scales.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype,cal", [("int8", qarray.Calibration(method="fixed", bound=1.0)),
                                        ("int4", qarray.Calibration(method="percentile", percentile=90.0)),
                                        ("binary", "absmean")])
@@ -728,6 +735,7 @@ def test_clipped_ste_masks_gradient(qtype, cal):
   assert np.all(np.abs(np.asarray(gw) - np.where(mw, rw, 0)) <= ACC_RTOL * aw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale_shape", [(), (8, 1), (1, 1)])
 @pytest.mark.parametrize("qtype", ["int8", "int4"])
 def test_learned_lhs_scale_gets_lsq_gradient(qtype, scale_shape):
@@ -983,6 +991,7 @@ POLICY_CASES = (
      for p in (("bf16", "bf16"), ("f16", "f32"))])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtypes,lq,rq", POLICY_CASES)
 def test_dtype_policy_vs_float64(dtypes, lq, rq):
   dn, ls, rs = POLICY_LAYOUTS["km,akb"]

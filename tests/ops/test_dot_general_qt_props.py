@@ -446,6 +446,7 @@ def test_dot_general_qt_forward_one_float_side(case):
   check_forward(case)
 
 
+@pytest.mark.slow
 @hypothesis.settings(FAST, max_examples=10)
 @hypothesis.given(case=dot_cases(force_empty=True, grads=True, nonfinite=False))
 def test_dot_general_qt_empty_axis(case):
@@ -663,12 +664,14 @@ def test_dot_general_qt_rejects_non_float_inputs(side, dtype):
 # docstring (the value-set product) and _props_ref.value_set_error (the formats' gaps).
 
 
+@pytest.mark.slow
 @hypothesis.settings(FAST, max_examples=20)
 @hypothesis.given(case=dot_cases(new=True))
 def test_dot_general_qt_forward_new_qtypes(case):
   check_forward(case)
 
 
+@pytest.mark.slow
 @hypothesis.settings(FAST, max_examples=10)
 @hypothesis.given(case=dot_cases(new=True, one_float=True))
 def test_dot_general_qt_forward_new_qtypes_one_float_side(case):
@@ -677,6 +680,7 @@ def test_dot_general_qt_forward_new_qtypes_one_float_side(case):
   check_forward(case)
 
 
+@pytest.mark.slow
 @hypothesis.settings(FAST, max_examples=8)
 @hypothesis.given(case=dot_cases(new=True, force_empty=True, grads=True, nonfinite=False))
 def test_dot_general_qt_new_qtypes_empty_axis(case):
@@ -714,6 +718,7 @@ def test_dot_general_qt_new_qtypes_gradients_deep(case):
   check_backward(case)
 
 
+@pytest.mark.slow
 @hypothesis.settings(FAST, max_examples=8)
 @hypothesis.given(case=dot_cases(new=True, grads=True, nonfinite=False, clipped_absmax=True))
 def test_dot_general_qt_clipped_ste_absmax_nf4_masks_nothing(case):
@@ -724,6 +729,7 @@ def test_dot_general_qt_clipped_ste_absmax_nf4_masks_nothing(case):
 # clipped_ste passes gradients up to the MX midpoint above the top element (464 / 7): an MX
 # block's absmax e8m0 scale lets its largest value land in (qmax, midpoint), where it rounds to
 # qmax with at most half a gap of error, like any element.
+@pytest.mark.slow
 @pytest.mark.parametrize("name, top", [("mxfp8", 460.0), ("mxfp4", 6.8)])
 def test_dot_general_qt_clipped_ste_absmax_mx_block_top(name, top):
   cfg = C.DotGeneralQtConfig(lhs=OQ(qtype=name, estimator="clipped_ste"))

@@ -38,6 +38,7 @@ def _rand(shape, seed):
   return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("channel_major", [False, True])
 @pytest.mark.parametrize("g", range(len(GEOMS)))
 def test_patches_times_kernel_matrix_is_the_convolution(g, channel_major):
@@ -70,6 +71,7 @@ def test_channel_major_order_is_lax_patches(g):
   np.testing.assert_array_equal(im2col.patches(x, geo), jnp.moveaxis(ref, 1, -1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("g", [0, 2, 3])
 @pytest.mark.parametrize("scale_axes", ["batch", "channel", "tensor"])
 def test_quantized_operands_dequantize_to_the_float_patches(g, scale_axes):

@@ -27,6 +27,7 @@ def _x(shape, seed):
   return jax.random.normal(jax.random.key(seed), shape)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("act", [None, "int8", "same"])
 @pytest.mark.parametrize("name", NEW)
 def test_dot_general_qt_is_the_product_of_the_dequantized_operands(name, act):
@@ -106,6 +107,7 @@ class MLP(nn.Module):
     return nn.Dense(8, name="head")(x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NEW)
 def test_a_rule_with_the_qtype_trains_an_mlp(name):
   rules = [qtrain.QtRule(module_path=".*", weight_qtype=name, act_qtype=name, bwd_qtype="int8",
@@ -133,6 +135,7 @@ def test_a_rule_with_the_qtype_trains_an_mlp(name):
   assert np.isfinite(losses).all() and losses[-1] < 0.5 * losses[0], losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,lora_rank", [("nf4", None), ("mxfp4", None), ("nf4", 4)])
 def test_freeze_predicts_the_qt_forward(name, lora_rank):
   """Packed 4-bit codes + scales give the QT forward's numbers (nf4 QLoRA base included)."""
@@ -172,6 +175,7 @@ def test_mxfp8_weights_do_not_freeze():
     freeze.freeze(v, prov)
 
 
+@pytest.mark.slow
 def test_nf4_convolution_runs_per_channel():
   cfg = C.ConvGeneralQtConfig(lhs=C.OperandQuant(qtype="int8"), rhs=C.OperandQuant(qtype="nf4"),
                               implementation="xla")

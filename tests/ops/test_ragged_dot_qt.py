@@ -151,6 +151,7 @@ def test_gradients_within_the_budget_of_weights_and_int8_gradients(qt, tile):
   assert np.all(np.asarray(dw)[1] == 0)                # the empty group: none either
 
 
+@pytest.mark.slow
 def test_w8a8_matches_the_fake_quantized_product_to_float32_rounding():
   """int8 codes into an int32 accumulation, scales after: the quantized math exactly (up to the
   float32 epilogue), against dequantize-then-multiply in float64."""
@@ -249,6 +250,7 @@ def test_bf16_inputs():
   assert np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref) < 0.02
 
 
+@pytest.mark.slow
 def test_weight_only_and_float_forward_with_quantized_gradients():
   x, w, ct = _data(seed=8)
   sizes = jnp.array(SIZES, jnp.int32)

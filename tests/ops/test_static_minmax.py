@@ -28,6 +28,7 @@ def _fake(x, s, z, qmin=-128, qmax=127):
   return (q - z) * s
 
 
+@pytest.mark.slow
 def test_minmax_scale_matches_reference_and_calibrate():
   r = np.random.default_rng(0)
   for lo, hi in ((-0.7, 3.1), (0.5, 2.0), (-4.0, -1.0), (-1e-3, 5e4)):
@@ -42,6 +43,7 @@ def test_minmax_scale_matches_reference_and_calibrate():
     qarray.minmax_scale(jnp.float32(-1), jnp.float32(1), "float8_e4m3fn")
 
 
+@pytest.mark.slow
 def test_given_zero_point_dot_and_conv():
   r = np.random.default_rng(1)
   x = r.uniform(-0.5, 3.0, (8, 16)).astype(np.float32)
@@ -108,6 +110,7 @@ class _Dense(nn.Module):
     return nn.Dense(5, name="d")(x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("averaging", ["mean", "ema"])
 def test_rule_static_minmax_calibrates_and_freezes(averaging):
   rule = qtrain.QtRule(weight_qtype="int8", act_qtype="int8", act_static_scale=True,

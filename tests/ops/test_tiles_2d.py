@@ -58,6 +58,7 @@ def _data(seed=0, m=8, k=16, n=32):
   return x.astype(np.float32), w.astype(np.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("xt, wt", [
     ({0: 2, 1: 4}, {0: 4, 1: 8}),     # 2-D blocks on both operands
     ({1: 4}, {0: 4, 1: 2}),           # per-row activation tiles along K, 2-D weight blocks
@@ -82,6 +83,7 @@ def test_forward_2d_tiles_match_block_reference(xt, wt):
   np.testing.assert_array_less(np.abs(y - x64 @ w64), budget * (1 + 1e-6) + acc)
 
 
+@pytest.mark.slow
 def test_2d_scale_shapes_and_per_channel_differs():
   _, w = _data()
   q = qarray.quantize(jnp.asarray(w), operand_spec(C.OperandQuant(qtype="int8", tile_size={0: 2, 1: 4}),
@@ -114,6 +116,7 @@ def test_per_axis_tile_stays_on_int8_path(monkeypatch):
   assert seen and all(d == (jnp.int8, jnp.int8) for d in seen), seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gt_dlhs, gt_drhs", [
     ({0: 2, 1: 2}, {0: 2, 1: 2}),
     (2, 4),               # int: along each product's last contracting axis (N for dlhs, M for drhs)
@@ -158,6 +161,7 @@ def test_backward_tiles_match_block_reference(gt_dlhs, gt_drhs):
     np.testing.assert_array_less(np.abs(got - exact), abs_prod(gs / 2) * (1 + 1e-6) + acc)
 
 
+@pytest.mark.slow
 def test_rule_2d_tiles_train_through_provider():
   import flax.linen as nn
 
@@ -228,6 +232,7 @@ def test_op_errors_name_bad_tiles():
     C.OperandQuant(qtype="mxfp8", tile_size={0: 32})
 
 
+@pytest.mark.slow
 def test_multi_axis_contraction_mixed_forms_raise():
   x, w = jnp.ones((2, 4, 8)), jnp.ones((4, 8, 6))
   dn = (((1, 2), (0, 1)), ((), ()))
