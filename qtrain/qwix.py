@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import warnings
 from typing import Any, Collection, Mapping, Sequence
@@ -58,6 +59,7 @@ from qtrain import _frozen
 from qtrain._qwix import layout
 from qtrain.core import qarray, qtypes
 from qtrain._frozen import FrozenLayer
+from qtrain.flax import intercept as _intercept
 from qtrain.flax import model as model_lib
 
 __all__ = ["QuantizationRule", "QtRule", "QtProvider", "PtqProvider", "PtqModel", "QuantStat",
@@ -498,7 +500,9 @@ class PtqModel:
   ``WithAux`` under ``<op id>_lhs_scale`` (calibrated on the ``init`` batch, as qwix's), every
   other parameter as it is. ``jax.eval_shape(ptq_model.init, key, x)`` gives the template that
   :func:`quantize_params` fills from trained float parameters. ``apply`` hands each weight to
-  qtrain's frozen product (packing its codes); float params raise.
+  qtrain's frozen product (packing its codes); float params raise. Inside ``init`` and
+  ``apply`` (only there), ``jnp.asarray`` passes a :class:`WithAux` / :class:`QArray` through
+  (:func:`qtrain._qwix.layout.asarray`), as qwix's PTQ does.
   """
 
   def __init__(self, model, provider: PtqProvider):
@@ -509,6 +513,10 @@ class PtqModel:
     return f"PtqModel({type(self.model).__name__}, {self.provider!r})"
 
   def init(self, rngs, *args, method=None, **kwargs) -> dict:
+    with _intercept.asarray_scope(layout.asarray):
+      return self._init(rngs, *args, method=method, **kwargs)
+
+  def _init(self, rngs, *args, method=None, **kwargs) -> dict:
     qt_model = model_lib.quantize_model(self.model, self.provider.qt)
     variables = dict(qt_model.init(rngs, *args, method=method, **kwargs))
     recs = [r for r in self.provider.qt.records() if r.status == provider_lib.QUANTIZED]
@@ -524,6 +532,10 @@ class PtqModel:
     return out
 
   def apply(self, variables: Mapping, *args, method=None, **kwargs):
+    with _intercept.asarray_scope(layout.asarray):
+      return self._apply(variables, *args, method=method, **kwargs)
+
+  def _apply(self, variables: Mapping, *args, method=None, **kwargs):
     params = variables.get("params") if isinstance(variables, Mapping) else None
     if not isinstance(params, Mapping):
       raise ValueError(f"expected PTQ variables ({{'params': ...}}), got "
@@ -855,8 +867,40 @@ def _ptq_nnx(model, provider: PtqProvider, model_inputs, kwargs):
                        "(quantize_model(model, provider, x)): the ops must run once to be frozen")
     source = model_lib.quantize_model(nnx.clone(model), provider.qt, *model_inputs, **kwargs)
     if not any(r.status == provider_lib.QUANTIZED for r in provider.qt.records()):
-      return nnx.clone(model)  # no op quantized (the rules' warning says so): nothing to freeze
-  return _to_qwix_nnx(freeze_lib.freeze(source), source, provider)
+      # No op quantized (the rules' warning says so): nothing to freeze.
+      return _serving(nnx.clone(model))
+  return _serving(_to_qwix_nnx(freeze_lib.freeze(source), source, provider))
+
+
+# nnx PTQ models: the root's class, once per class, a subclass whose __call__ runs in
+# qwix's PTQ scope (jnp.asarray passes quantized weights through: layout.asarray), as qwix's
+# PTQ intercepts the call of the model it returns.
+_PTQ_CLASS_ATTR = "_qtrain_ptq_of"
+_PTQ_CLASSES: dict[type, type] = {}
+_ptq_class_lock = threading.Lock()
+
+
+def _ptq_class(cls: type) -> type:
+  with _ptq_class_lock:
+    if cls not in _PTQ_CLASSES:
+      call = cls.__call__
+
+      @functools.wraps(call)
+      def __call__(self, *args, **kwargs):
+        with _intercept.asarray_scope(layout.asarray):
+          return call(self, *args, **kwargs)
+
+      ns = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__, "__call__": __call__, _PTQ_CLASS_ATTR: cls}
+      _PTQ_CLASSES[cls] = type(cls)(cls.__name__, (cls,), ns)
+    return _PTQ_CLASSES[cls]
+
+
+def _serving(model):
+  """The nnx PTQ model ``model`` with its ``__call__`` in qwix's PTQ scope (in place)."""
+  if _PTQ_CLASS_ATTR not in vars(type(model)):
+    model.__class__ = _ptq_class(type(model))
+  return model
 
 
 def _ptq_ops(model):

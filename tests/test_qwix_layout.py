@@ -120,3 +120,117 @@ def test_with_aux_and_qarray_behave_as_qwixs():
   leaves = jax.tree.leaves(qwix.WithAux(q, "int8"))
   assert len(leaves) == 2  # qvalue, scale (no zero point)
   np.testing.assert_array_equal(np.asarray(qwix.dequantize(q)), np.ones((4, 2)))
+
+
+# ----------------------------------------------------------------------------
+# jnp.asarray inside a PTQ model's call.
+
+
+class _AsArray(nnx.Module):
+  def __call__(self, v, dtype=None):
+    return jnp.asarray(v, dtype)
+
+
+def _rand_qarray(key, zero_point=False):
+  k1, k2, k3 = jax.random.split(key, 3)
+  qv = jax.random.randint(k1, (6, 4), -127, 128, jnp.int32).astype(jnp.int8)
+  scale = jax.random.uniform(k2, (1, 4), jnp.float32, 0.01, 0.1)
+  zp = jax.random.randint(k3, (1, 4), -5, 6, jnp.int32).astype(jnp.int8) if zero_point else None
+  return qwix.QArray(qv, scale, zp)
+
+
+def _assert_same_arrays(a, b):
+  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    assert u.dtype == v.dtype
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+@pytest.mark.slow
+def test_asarray_in_a_ptq_call_passes_quantized_weights_through():
+  """Inside an nnx PTQ model's call, jnp.asarray(x, dtype) (as Flax's promote_dtype calls it)
+  keeps a QArray (its dequantized dtype cast, codes untouched), a WithAux (its how kept),
+  nnx.Param(WithAux), and makes a quantized weight's nnx.State a QArray; plain arrays get
+  JAX's own result. Outside the call jnp.asarray is JAX's again and rejects a WithAux."""
+  original = jnp.asarray
+  with pytest.warns(UserWarning, match="matched no op"):
+    m = qwix.quantize_model(_AsArray(), qwix.PtqProvider([qwix.QuantizationRule(
+        weight_qtype="int8")]), jnp.ones((2, 2)))
+  q = _rand_qarray(jax.random.key(0))
+  assert m(q) is q
+  half = m(q, jnp.bfloat16)
+  assert isinstance(half, qwix.QArray) and half.dtype == jnp.bfloat16
+  assert half.qvalue is q.qvalue
+  np.testing.assert_array_equal(np.asarray(half.scale, np.float32),
+                                np.asarray(q.scale.astype(jnp.bfloat16), np.float32))
+  wa = qwix.WithAux(q, "how")
+  assert m(wa).array is q and m(wa).how == "how"
+  got = m(nnx.Param(wa))
+  assert isinstance(got, qwix.WithAux) and got.how == "how" and isinstance(got.array, qwix.QArray)
+  _assert_same_arrays(got.array, q)
+  cast = m(qwix.WithAux(jnp.arange(6.0).reshape(2, 3), "h"), jnp.float16)
+  assert isinstance(cast, qwix.WithAux) and cast.array.dtype == jnp.float16
+  np.testing.assert_array_equal(np.asarray(cast.array), np.arange(6.0).reshape(2, 3))
+  zq = _rand_qarray(jax.random.key(1), zero_point=True)
+  state = nnx.State({"array": nnx.State({k: nnx.Variable(getattr(zq, k))
+                                         for k in ("qvalue", "scale", "zero_point")})})
+  got = m(state)
+  assert isinstance(got, qwix.QArray)
+  np.testing.assert_array_equal(np.asarray(qwix.dequantize(got)), np.asarray(qwix.dequantize(zq)))
+  x = jax.random.normal(jax.random.key(2), (3, 5))
+  assert m(x) is x
+  np.testing.assert_array_equal(np.asarray(m(nnx.Param(x), jnp.bfloat16)),
+                                np.asarray(x.astype(jnp.bfloat16)))
+  with pytest.raises(ValueError, match=r"nnx.State with keys \['kernel'\].*'qvalue', 'scale'"):
+    m(nnx.State({"kernel": x}))
+  assert jnp.asarray is original
+  with pytest.raises((TypeError, ValueError)):
+    jnp.asarray(wa)
+
+
+@pytest.mark.slow
+def test_asarray_in_a_ptq_model_reads_a_layers_quantized_weight_under_jit():
+  """A user's module of an nnx PTQ model reading its layer's quantized weight with
+  jnp.asarray (under nnx.jit) gets the WithAux(QArray) qwix's layout keeps, whose values are
+  the float weight within half a step of its per-channel scale; the layer's product is the
+  QT model's forward."""
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.dense = nnx.Linear(16, 8, rngs=rngs)
+
+    def __call__(self, x):
+      return self.dense(x), jnp.asarray(self.dense.kernel, jnp.float32)
+
+  rules = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8", act_qtype="int8")]
+  x = jax.random.normal(jax.random.key(0), (4, 16), jnp.float32)
+  fp = Net(nnx.Rngs(1))
+  ptq = qwix.quantize_model(fp, qwix.PtqProvider(rules, implementation="xla"), x)
+  y, w = nnx.jit(lambda m, x: m(x))(ptq, x)
+  assert isinstance(w, qwix.WithAux) and isinstance(w.array, qwix.QArray)
+  kernel = np.asarray(fp.dense.kernel[...])
+  step = np.abs(kernel).max(0, keepdims=True) / 127
+  assert np.all(np.abs(np.asarray(qwix.dequantize(w.array)) - kernel) <= step / 2 + 1e-7)
+  qt = qwix.quantize_model(fp, qwix.QtProvider(rules), x)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(qt(x)[0]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_asarray_in_a_linen_ptq_apply_only():
+  """linen: PtqModel.apply runs its model with the same jnp.asarray (a WithAux input passes
+  through, arrays are JAX's), and only inside apply."""
+
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x, aux):
+      return nn.Dense(4)(x), jnp.asarray(aux, jnp.bfloat16)
+
+  rules = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8")]
+  x = jax.random.normal(jax.random.key(0), (2, 8), jnp.float32)
+  aux = qwix.WithAux(_rand_qarray(jax.random.key(1)), "how")
+  ptq = qwix.quantize_model(M(), qwix.PtqProvider(rules, implementation="xla"))
+  v = ptq.init(jax.random.key(2), x, aux)
+  y, got = ptq.apply(v, x, aux)
+  assert isinstance(got, qwix.WithAux) and got.array.dtype == jnp.bfloat16
+  assert got.array.qvalue is aux.array.qvalue and y.shape == (2, 4)
+  with pytest.raises((TypeError, ValueError)):
+    M().apply({"params": {"Dense_0": {"kernel": jnp.ones((8, 4)), "bias": jnp.zeros(4)}}}, x, aux)

@@ -226,6 +226,41 @@ def static_scale_array(scale, ndim: int):
   return jnp.asarray(scale, jnp.float32).reshape((1,) * ndim)
 
 
+def asarray(a, dtype, fallback):
+  """``jnp.asarray(a, dtype)`` inside a PTQ model's call (qwix's): a quantized weight passes
+  through to the quantized op instead of raising.
+
+  * a :class:`QArray` is returned as it is, or with its dequantized dtype (the scale's) changed
+    to ``dtype`` (:meth:`QArray.astype`);
+  * a :class:`WithAux` keeps its ``how``, its array converted (unboxed) the same way;
+  * an nnx Variable or linen box is read first (``nnx.Param(WithAux(...))`` is the WithAux);
+  * an ``nnx.State`` of a quantized weight, ``{"array": {"qvalue", "scale"[, "zero_point"]}}``,
+    becomes that :class:`QArray`;
+  * anything else is ``fallback(a, dtype)``: JAX's ``jnp.asarray``, unchanged.
+
+  Raises:
+    ValueError: an ``nnx.State`` that is no quantized weight's, naming its keys.
+  """
+  if isinstance(a, (nnx.Variable, meta.AxisMetadata)):
+    a = unbox(a)
+  if isinstance(a, nnx.State):
+    inner = unbox(a["array"]) if "array" in a else None
+    if not (isinstance(inner, nnx.State) and "qvalue" in inner and "scale" in inner):
+      found = sorted(map(str, (inner if isinstance(inner, nnx.State) else a).keys()))
+      raise ValueError(f"jnp.asarray of an nnx.State with keys {found} inside a PTQ model: only "
+                       "a quantized weight's state, {'array': {'qvalue', 'scale'[, "
+                       "'zero_point']}}, converts (to a QArray); pass an array or a Variable")
+    a = QArray(qvalue=inner["qvalue"], scale=inner["scale"],
+               zero_point=inner["zero_point"] if "zero_point" in inner else None)
+  if isinstance(a, WithAux):
+    return a.replace(array=asarray(a.array, dtype, fallback))
+  if isinstance(a, QArray):
+    if dtype is not None and jnp.dtype(dtype) != jnp.dtype(a.dtype):
+      return a.astype(dtype)
+    return a
+  return fallback(a, dtype)
+
+
 def is_quantized_leaf(x) -> bool:
   return isinstance(x, WithAux)
 

@@ -50,6 +50,9 @@ user nnx module of a quantized model a subclass whose methods run inside
 that says where an op keeps its state (a ``QtOp`` on the module) and which
 operand is the weight (one of the module's ``nnx.Param`` values, by
 identity).
+
+:func:`asarray_scope` swaps ``jnp.asarray`` the same scoped, thread-local way for a converter
+that changes only what JAX rejects (qwix's PTQ models pass their quantized weights through it).
 """
 
 from __future__ import annotations
@@ -669,3 +672,51 @@ def linen_scope(provider, rename=((), ())):
       yield
   finally:
     _uninstall()
+
+
+# ---------------------------------------------------------------------------
+# ``jnp.asarray`` inside a call that asks for it (qwix's PTQ models: a quantized weight passes
+# through ``jnp.asarray(w, dtype)``, as Flax's ``promote_dtype`` calls it, to the quantized op).
+
+_asarray_lock = threading.Lock()
+_asarray_count = 0
+_asarray_original: list = []   # jnp.asarray while the dispatcher is installed
+
+
+def _dispatch_asarray(a, *args, **kwargs):
+  """``jnp.asarray``: this thread's innermost :func:`asarray_scope` converter, else JAX's."""
+  orig = _asarray_original[0] if _asarray_original else jnp.asarray
+  convert = (getattr(_tls, "asarray", None) or [None])[-1]
+  if convert is None:
+    return orig(a, *args, **kwargs)
+  dtype = args[0] if args else kwargs.get("dtype")
+  rest, kw = args[1:], {k: v for k, v in kwargs.items() if k != "dtype"}
+  return convert(a, dtype, lambda x, dt: orig(x, dt, *rest, **kw))
+
+
+@contextlib.contextmanager
+def asarray_scope(convert: Callable):
+  """While this context runs, ``jnp.asarray(a, dtype, ...)`` made in this thread returns
+  ``convert(a, dtype, fallback)``; ``fallback(x, dtype)`` is JAX's ``jnp.asarray`` with the
+  call's other arguments. ``convert`` must give JAX's result for every value JAX converts
+  (it may change only what JAX rejects), so a jit cache never holds a trace that differs
+  from a float caller's. Other threads' calls, and every call once the last scope has
+  exited, are JAX's own (the public name is restored)."""
+  global _asarray_count
+  with _asarray_lock:
+    if _asarray_count == 0:
+      _asarray_original[:] = [jnp.asarray]
+      jnp.asarray = _dispatch_asarray
+    _asarray_count += 1
+  stack = getattr(_tls, "asarray", None)
+  if stack is None:
+    stack = _tls.asarray = []
+  stack.append(convert)
+  try:
+    yield
+  finally:
+    stack.pop()
+    with _asarray_lock:
+      _asarray_count -= 1
+      if _asarray_count == 0:
+        jnp.asarray = _asarray_original.pop()
