@@ -69,12 +69,13 @@ from qtrain.ops.conv_general_qt import quantized_conv
 from qtrain.ops.dot_general_qt import merge_tiled_contraction
 
 IMPLEMENTATIONS = cfg_lib.IMPLEMENTATIONS
-ARRAY_FIELDS = ("words", "w_scale", "w_zero", "scale_a", "bias_a", "bias")
+ARRAY_FIELDS = ("words", "w_scale", "w_zero", "scale_a", "bias_a", "bias", "zero_a")
 META_FIELDS = ("kind", "w_qtype", "k", "n", "kernel_shape", "group_size", "act", "layout",
                "weight_operand", "weight_dtype", "param", "param_dtype", "op_id", "op_name", "lora")
 # What an activation's scale comes from at inference (FrozenLayer.act["scale"]):
 #   None: calibrated per call as the op's OperandQuant says;
-#   "given": FrozenLayer.scale_a (a learned scale, or a calibrated static one);
+#   "given": FrozenLayer.scale_a (a learned scale, or a calibrated static one; with
+#            FrozenLayer.zero_a, an asymmetric (minmax) static one's zero point);
 #   "batch": one scale per tensor calibrated on each call and passed as a given
 #            scale (a static scale that was never calibrated: what the QT op does).
 ACT_SCALES = (None, "given", "batch")
@@ -119,6 +120,8 @@ class FrozenLayer:
     lora: None, or ``(("dropout", rate), ("scale", alpha / rank))``: the op
       keeps a LoRA adapter (its ``A`` / ``B`` stay parameters of the module,
       beside the frozen weight; :mod:`qtrain.lora`).
+    zero_a: None, or a float32 scalar: the integer zero point of an asymmetric (``minmax``)
+      static input scale ``scale_a``, ``x ~ (q - zero_a) * scale_a``.
   """
 
   words: jax.Array
@@ -142,6 +145,7 @@ class FrozenLayer:
   op_id: str | None = None
   op_name: str | None = None
   lora: Any = None
+  zero_a: jax.Array | None = None
 
   @property
   def lora_dict(self) -> dict | None:
@@ -430,16 +434,21 @@ def quantize_act(layer: FrozenLayer, x, *, contract, channel_axes, tile_axis, sh
   if act is None:
     return x
   oq = _act_operand(act)
-  given = None
+  given, zero = None, None
   if act.get("scale") == "given":
-    given = layer.scale_a
+    given, zero = layer.scale_a, layer.zero_a
   elif act.get("scale") == "batch":
     spec = qa.QuantizeSpec(qtype=oq.qtype, channelwise_axes=(), calibration=oq.calibration,
                            axis_names=oq.axis_names)
-    given = qa.calibrate(jax.lax.stop_gradient(x), spec)[0].reshape(())
+    given, zero = qa.calibrate(jax.lax.stop_gradient(x), spec)
+    given = given.reshape(())
+    zero = None if zero is None else zero.reshape(())
   if given is None:
     return qa.quantize(x, qop.operand_spec(oq, x.ndim, channel_axes, tile_axis, shape=x.shape))
-  return qa.quantize_with_scale(x, oq.qtype, qop.as_scale(given, x.shape, "the input scale"))
+  if zero is not None:
+    zero = qop.as_zero_point(zero, x.shape, "the input zero point", oq.qtype)
+  return qa.quantize_with_scale(x, oq.qtype, qop.as_scale(given, x.shape, "the input scale"),
+                                zero)
 
 
 def _out_dtype(preferred, *dtypes):

@@ -283,7 +283,7 @@ def _from_record(rec, provider, module_params: Mapping, state: Mapping, where: s
   w_idx = {"lhs": 0, "rhs": 1}[rec.weight_operand]
   name = hosts.weight_param_name(module_params, shapes[w_idx], what="freeze", where=where)
   raw = flax_meta.unbox(module_params[name])
-  scale_kind, scale_a, bias_a = None, None, None
+  scale_kind, scale_a, bias_a, zero_a = None, None, None, None
 
   def need(key, why):
     if state.get(key) is None:
@@ -295,24 +295,29 @@ def _from_record(rec, provider, module_params: Mapping, state: Mapping, where: s
     if rule.act_learnable_scale:
       scale_kind, scale_a = "given", need("act_scale", "a learned input scale")
     elif rule.act_static_scale:
-      if rule.act_calibration_method.is_asymmetric:
+      asymmetric = rule.act_calibration_method.is_asymmetric
+      if asymmetric and "act_static_zero_point" not in state:
         raise NotImplementedError(
             f"freeze: layer {where!r}: its rule keeps an asymmetric static input scale "
             f"(act_calibration_method={rule.act_calibration_method.method!r}: a scale and a "
-            "zero point), which frozen ops do not take yet; train with a symmetric static "
-            "calibration (e.g. 'absmax') to freeze this layer")
+            "zero point), which freeze takes from qtrain.qwix's statistics (sum_of_min / "
+            "sum_of_max) only; train with a symmetric static calibration (e.g. 'absmax') or "
+            "with qtrain.qwix.QtProvider to freeze this layer")
       s = need("act_static_scale", "a static input scale")
       count = need("act_static_count", "a static input scale")
       # Under tracing (nnx.eval_shape of a PTQ model) the count is not known: a template keeps
       # the calibrated scale's place.
       if static == "given" or isinstance(count, jax.core.Tracer) or float(count) > 0:
         scale_kind, scale_a = "given", s
+        if asymmetric:
+          zero_a = need("act_static_zero_point", "a static input zero point")
       else:  # never calibrated: the QT op calibrates one scale per batch, as here
         scale_kind = "batch"
     if rule.act_learnable_shift:
       bias_a = need("act_shift", "a learned input shift")
   a_cfg = provider._operand(rule, weight=False, given_scale=scale_kind is not None, conv=conv)
-  fields = dict(scale_a=scale_a, bias_a=bias_a, bias=None, act=_frozen.act_meta(a_cfg, scale_kind),
+  fields = dict(scale_a=scale_a, zero_a=zero_a, bias_a=bias_a, bias=None,
+                act=_frozen.act_meta(a_cfg, scale_kind),
                 weight_operand=w_idx, weight_dtype=dtypes[w_idx], param=name,
                 param_dtype=jnp.dtype(raw.dtype).name, op_id=rec.op_id, op_name=rec.op_name,
                 lora=_frozen.lora_meta(rule))

@@ -299,6 +299,8 @@ class QtProvider(provider_lib.QtProvider):
     qt = qtypes.get_qtype(rule.act_qtype)
     x = jax.lax.stop_gradient(x)
     contract = {a % x.ndim for a in contract_axes}
+    if rule.act_calibration_method.is_asymmetric:
+      return self._qwix_static_minmax(host, rule, x, tuple(sorted(contract)), side)
     spec = qarray.QuantizeSpec(qtype=rule.act_qtype,
                                channelwise_axes=tuple(a for a in range(x.ndim) if a not in contract),
                                calibration=rule.act_calibration_method,
@@ -317,14 +319,50 @@ class QtProvider(provider_lib.QtProvider):
     bound = jnp.where(count > 0, total / jnp.maximum(count, 1).astype(jnp.float32), cur)
     return _scale_of_bound(bound.reshape(()), qt)
 
+  def _qwix_static_minmax(self, host, rule, x, contract, side):
+    """qwix's asymmetric static scale: ``{count, sum_of_min, sum_of_max}``, the sums of each
+    batch's per-token ``min(x, 0)`` / ``max(x, 0)`` (times the calibration's multiplier)
+    averaged over the tokens; the averaged ends give the scale and zero point as ``minmax``
+    maps a range onto the integer qtype."""
+    lo, hi = _token_ends(x, contract, rule.act_calibration_method.multiplier)
+    shape = (1,) * x.ndim
+    cur = {"sum_of_min": jnp.mean(lo).reshape(shape), "sum_of_max": jnp.mean(hi).reshape(shape)}
+    stat = host.stat(side, lambda: {"count": jnp.zeros((), jnp.int32),
+                                    **{k: jnp.zeros(shape, jnp.float32) for k in cur}})
+    if set(stat) != {"count", *cur}:
+      raise ValueError(f"quant_stats: {side!r} statistics {sorted(stat)}, an asymmetric "
+                       f"(minmax) static scale keeps {sorted({'count', *cur})}")
+    count = stat["count"]
+    if host.calibrating:
+      count = count + 1
+      stat = {"count": count, **{k: stat[k] + cur[k] for k in cur}}
+      host.set_stat(side, stat)
+    n = jnp.maximum(count, 1).astype(jnp.float32)
+    ends = [jnp.where(count > 0, stat[k] / n, cur[k]).reshape(()) for k in cur]
+    return qarray.minmax_scale(*ends, rule.act_qtype)
+
   def read_static_stats(self, stats: Mapping, op_id: str, rule) -> tuple[dict, list[str]]:
     """qtrain's static-scale state (``act_static_scale``, ``act_static_count``) of op ``op_id``
     from its module's statistics in qwix's layout; and the names read (for freezing)."""
     for side in ("lhs", "rhs"):
       stat = stats.get(f"{op_id}_{side}")
       if isinstance(stat, Mapping) and "count" in stat:
-        return static_state_of(stat, rule.act_qtype), [f"{op_id}_{side}"]
+        return (static_state_of(stat, rule.act_qtype,
+                                asymmetric=rule.act_calibration_method.is_asymmetric),
+                [f"{op_id}_{side}"])
     return {"act_static_scale": None, "act_static_count": None}, []
+
+
+def _token_ends(x, contract: tuple, multiplier: float):
+  """Each token's ``(min(x, 0), max(x, 0)) * multiplier`` over the ``contract`` axes (float32;
+  a NaN in a token gives ``(-inf, inf)``, so the scale that follows is NaN)."""
+  xf = x.astype(jnp.float32)
+  nan = jnp.isnan(xf)
+  lo = jnp.min(jnp.where(nan, -jnp.inf, xf), axis=contract, initial=0.0)
+  hi = jnp.max(jnp.where(nan, jnp.inf, xf), axis=contract, initial=0.0)
+  if multiplier != 1.0:
+    lo, hi = lo * multiplier, hi * multiplier
+  return lo, hi
 
 
 def _scale_of_bound(bound, qt):
@@ -332,27 +370,41 @@ def _scale_of_bound(bound, qt):
   return jnp.where(bound > 0, bound / qt.qmax, 1.0).astype(jnp.float32)
 
 
-def static_state_of(stat: Mapping, act_qtype) -> dict:
-  """``{"act_static_scale", "act_static_count"}`` of one qwix statistics entry
-  ``{"count", "sum_of_absmax"}`` (``count`` 0: scale 0, never calibrated).
+_SYMMETRIC_STATS = ("sum_of_absmax",)
+_ASYMMETRIC_STATS = ("sum_of_min", "sum_of_max")
+
+
+def static_state_of(stat: Mapping, act_qtype, *, asymmetric: bool = False) -> dict:
+  """``{"act_static_scale", "act_static_count"}`` of one qwix statistics entry ``{"count",
+  "sum_of_absmax"}``; with ``asymmetric`` (a ``minmax`` rule), of ``{"count", "sum_of_min",
+  "sum_of_max"}``, plus ``"act_static_zero_point"`` (``count`` 0: scale 0, never calibrated).
 
   Raises:
-    ValueError: statistics of another calibration (``sum_of_min`` / ``sum_of_max``: qtrain's
-      static scales are symmetric), or malformed ones.
+    ValueError: statistics of the other calibration, or malformed ones, naming what is
+      expected.
   """
-  if "sum_of_absmax" not in stat:
-    raise ValueError(f"quant_stats: statistics {sorted(stat)}: qtrain.qwix reads symmetric "
-                     "static scales ({'count', 'sum_of_absmax'}); asymmetric ones (sum_of_min / "
-                     "sum_of_max, act_calibration_method='minmax') are not supported")
-  total = jnp.asarray(stat["sum_of_absmax"], jnp.float32)
-  if total.size != 1:
-    raise ValueError(f"quant_stats: sum_of_absmax of shape {tuple(total.shape)}: qtrain.qwix's "
-                     "static input scale is one per tensor (a per-position scale, qwix's for "
-                     "inputs of rank > 2, is not supported)")
+  names = _ASYMMETRIC_STATS if asymmetric else _SYMMETRIC_STATS
+  if "count" not in stat or any(k not in stat for k in names):
+    kind = ("asymmetric (act_calibration_method='minmax')" if asymmetric else
+            "symmetric (absmax, rms, ...)")
+    raise ValueError(f"quant_stats: statistics {sorted(stat)}: the rule's {kind} static scale "
+                     f"reads {sorted({'count', *names})}")
+  sums = [jnp.asarray(stat[k], jnp.float32) for k in names]
+  for k, total in zip(names, sums):
+    if total.size != 1:
+      raise ValueError(f"quant_stats: {k} of shape {tuple(total.shape)}: qtrain.qwix's static "
+                       "input scale is one per tensor (a per-position scale, qwix's for inputs "
+                       "of rank > 2, is not supported)")
   count = jnp.asarray(stat["count"])
-  qt = qtypes.get_qtype(act_qtype)
-  scale = jnp.where(count > 0, _scale_of_bound(total.reshape(()) / jnp.maximum(count, 1), qt), 0.0)
-  return {"act_static_scale": scale, "act_static_count": count.astype(jnp.float32)}
+  out = {"act_static_count": count.astype(jnp.float32)}
+  means = [t.reshape(()) / jnp.maximum(count, 1) for t in sums]
+  if asymmetric:
+    scale, zero = qarray.minmax_scale(*means, act_qtype)
+    out["act_static_zero_point"] = jnp.where(count > 0, zero, 0.0)
+  else:
+    scale = _scale_of_bound(means[0], qtypes.get_qtype(act_qtype))
+  out["act_static_scale"] = jnp.where(count > 0, scale, 0.0)
+  return out
 
 
 # ----------------------------------------------------------------------------
@@ -432,7 +484,8 @@ def _get_path(tree, path: tuple):
 def _qwix_params(frozen: Mapping, boxed: Mapping, provider: PtqProvider) -> dict:
   """freeze's ``{"layers", "variables"}`` as PTQ params in qwix's layout: each frozen weight a
   WithAux(QArray) at its parameter's path (boxed as the parameter was), each calibrated static
-  input scale a WithAux at ``<op id>_lhs_scale`` beside it."""
+  input scale a WithAux at ``<op id>_lhs_scale`` beside it (and an asymmetric one's zero point
+  at ``<op id>_lhs_zero_point``)."""
   params = dict(frozen["variables"].get("params", {}))
   for key, layer in frozen["layers"].items():
     path = freeze_lib._layer_path(key, layer)
@@ -447,9 +500,13 @@ def _qwix_params(frozen: Mapping, boxed: Mapping, provider: PtqProvider) -> dict
     leaves = {layer.param: WithAux(q, _weight_how(key, layer,
                                                   freeze_lib._weight_quant(rec, provider.qt)))}
     if (layer.act_dict or {}).get("scale") == "given":
-      leaves[f"{layer.op_id}_{_act_side(layer)}_scale"] = WithAux(
+      stem, qt = f"{layer.op_id}_{_act_side(layer)}", layer.act_dict["qtype"]
+      leaves[f"{stem}_scale"] = WithAux(
           layout.static_scale_array(layer.scale_a, _act_ndim(rec)),
-          layout.ScaleHow(key=key, qtype=layer.act_dict["qtype"]))
+          layout.ScaleHow(key=key, qtype=qt, zero_point=layer.zero_a is not None))
+      if layer.zero_a is not None:
+        leaves[f"{stem}_zero_point"] = layout.static_zero_point_array(layer.zero_a,
+                                                                      _act_ndim(rec), qt)
     for name, leaf in leaves.items():
       params = freeze_lib._set_in(params, owner + (name,), leaf)
   return params
@@ -457,11 +514,23 @@ def _qwix_params(frozen: Mapping, boxed: Mapping, provider: PtqProvider) -> dict
 
 def _frozen_from_qwix(params: Mapping) -> tuple[dict, dict]:
   """PTQ params in qwix's layout -> (qtrain's frozen layers by key, the float params left)."""
-  weights, scales = {}, {}
+  weights, scales, zeros = {}, {}, {}
 
   def walk(node, prefix):
     out = {}
+    taken = set()
     for k, v in node.items():
+      if isinstance(v, WithAux) and isinstance(v.how, layout.ScaleHow) and v.how.zero_point:
+        zk = f"{str(k)[:-len('_scale')]}_zero_point"
+        if zk not in node:
+          raise ValueError(f"PTQ params: {'/'.join(prefix + (str(k),))!r} is an asymmetric "
+                           f"static input scale, and the params hold no zero point {zk!r} "
+                           "beside it")
+        zeros[v.how.key] = layout.unbox(node[zk])
+        taken.add(zk)
+    for k, v in node.items():
+      if k in taken:
+        continue
       if isinstance(v, WithAux) and isinstance(v.how, layout.WeightHow):
         weights[v.how.key] = (v, "/".join(prefix + (str(k),)))
       elif isinstance(v, WithAux) and isinstance(v.how, layout.ScaleHow):
@@ -484,7 +553,8 @@ def _frozen_from_qwix(params: Mapping) -> tuple[dict, dict]:
     if spec_scale == "given" and s is None:
       raise ValueError(f"PTQ params: layer {key!r} keeps a static input scale, and the params "
                        "hold none for it (<op id>_lhs_scale)")
-    layers[key] = layout.to_frozen(w.how, arr, None if s is None else layout.unbox(s.array))
+    layers[key] = layout.to_frozen(w.how, arr, None if s is None else layout.unbox(s.array),
+                                   zeros.get(key))
   if scales:
     raise ValueError(f"PTQ params: static input scales {sorted(scales)} of no quantized weight")
   return layers, rest
@@ -631,17 +701,28 @@ def quantize_params(params: Mapping, abstract_quantized_params, quant_stats: Map
     if not (isinstance(tv, WithAux) and isinstance(tv.how, layout.ScaleHow)):
       raise ValueError(f"quantize_params: quant_stats {'/'.join(map(str, path))!r} has no "
                        f"static input scale {name!r} in the template")
-    _set_nested(out, path[:-1] + (name,), WithAux(_stat_scale(stat, tv, path), tv.how))
+    scale, zero = _stat_scale(stat, tv, path)
+    _set_nested(out, path[:-1] + (name,), WithAux(scale, tv.how))
+    if zero is not None:
+      _set_nested(out, path[:-1] + (path[-1] + "_zero_point",), zero)
   return out
 
 
-def _stat_scale(stat: Mapping, tv: WithAux, path) -> jax.Array:
-  if int(np.asarray(stat["count"])) == 0:
+def _stat_scale(stat: Mapping, tv: WithAux, path) -> tuple[jax.Array, jax.Array | None]:
+  """The PTQ static input scale (and an asymmetric one's zero point, else None) in qwix's
+  layout, from one statistics entry."""
+  if "count" in stat and int(np.asarray(stat["count"])) == 0:
     raise ValueError(f"quantize_params: quant_stats {'/'.join(map(str, path))!r} was never "
                      "calibrated (count 0): run the QT model in training mode on data first "
                      "(linen: apply(..., mutable=['quant_stats']))")
-  scale = static_state_of(stat, tv.how.qtype)["act_static_scale"]
-  return layout.static_scale_array(scale, tv.ndim)
+  try:
+    state = static_state_of(stat, tv.how.qtype, asymmetric=tv.how.zero_point)
+  except ValueError as e:
+    raise ValueError(f"quantize_params: quant_stats {'/'.join(map(str, path))!r}: "
+                     f"{str(e).removeprefix('quant_stats: ')}") from None
+  zero = state.get("act_static_zero_point")
+  return (layout.static_scale_array(state["act_static_scale"], tv.ndim),
+          None if zero is None else layout.static_zero_point_array(zero, tv.ndim, tv.how.qtype))
 
 
 def _stat_entries(quant_stats) -> list[tuple[tuple, Mapping]]:
@@ -730,7 +811,8 @@ class PtqOp(nnx.Module):
     how: the weight's :class:`qtrain._qwix.layout.WeightHow` (static).
     path, op_name: the layer's module path and op.
     implementation: where the products run (:func:`qtrain.freeze.apply_frozen`).
-    scale_name: the layer's attribute holding the static input scale, or None.
+    scale_name: the layer's attribute holding the static input scale, or None (an
+      asymmetric one's zero point is at ``<op id>_lhs_zero_point``).
   """
 
   def __init__(self, how: layout.WeightHow, *, path: str, op_name: str, implementation: str,
@@ -750,10 +832,13 @@ class PtqOp(nnx.Module):
       raise ValueError(f"PTQ layer {self.path or '<root>'!r}: its weight is a "
                        f"{type(weight).__name__}, not qwix's QArray (qvalue, scale): load PTQ "
                        "params (quantize_params / process_prequantized_params) into it")
-    scale = None
+    scale = zero = None
     if self.scale_name is not None:
-      scale = layout.unbox(getattr(self.owner, self.scale_name).array)
-    return layout.to_frozen(self.how, weight, scale)
+      given = getattr(self.owner, self.scale_name)
+      scale = layout.unbox(given.array)
+      if given.how.zero_point:  # an asymmetric static scale: its zero point beside it
+        zero = layout.unbox(getattr(self.owner, _zero_point_name(self.scale_name)))
+    return layout.to_frozen(self.how, weight, scale, zero)
 
   def __call__(self, *args, **kwargs):
     if kwargs.pop("out_sharding", None) is not None:
@@ -821,9 +906,13 @@ def _to_qwix_nnx(frozen, source, provider: PtqProvider):
     scale_name = None
     if (layer.act_dict or {}).get("scale") == "given":
       scale_name = f"{layer.op_id}_{_act_side(layer)}_scale"
+      qt, ndim = layer.act_dict["qtype"], _nnx_act_ndim(source, fop)
       setattr(node, scale_name, freeze_lib._data(WithAux(
-          nnx.Param(layout.static_scale_array(layer.scale_a, _nnx_act_ndim(source, fop))),
-          layout.ScaleHow(key=path, qtype=layer.act_dict["qtype"]))))
+          nnx.Param(layout.static_scale_array(layer.scale_a, ndim)),
+          layout.ScaleHow(key=path, qtype=qt, zero_point=layer.zero_a is not None))))
+      if layer.zero_a is not None:
+        setattr(node, _zero_point_name(scale_name),
+                nnx.Param(layout.static_zero_point_array(layer.zero_a, ndim, qt)))
     setattr(node, layer.param, freeze_lib._data(WithAux(wrapped, how)))
     op = PtqOp(how, path=fop.path, op_name=fop.op_name, implementation=provider.implementation,
                owner=node, scale_name=scale_name)
@@ -831,6 +920,11 @@ def _to_qwix_nnx(frozen, source, provider: PtqProvider):
     if "promote_dtype" in vars(node):
       node.promote_dtype = _promote_dtype_keep_quantized
   return frozen
+
+
+def _zero_point_name(scale_name: str) -> str:
+  """``<op id>_lhs_zero_point`` of the static input scale ``<op id>_lhs_scale``."""
+  return scale_name[:-len("_scale")] + "_zero_point"
 
 
 def _nnx_act_ndim(source, fop) -> int:
@@ -955,7 +1049,10 @@ def _quantize_params_nnx(params: Mapping, model, quant_stats, allow_extra_params
                        f"(nnx.to_pure_dict(nnx.state(qt_model, qwix.QuantStat))), which hold "
                        f"{'/'.join(stat_path)!r}")
     tv = getattr(node, op.scale_name)
-    _set_nested(out, owner + (op.scale_name, "array"), _stat_scale(stat, tv, stat_path))
+    scale, zero = _stat_scale(stat, tv, stat_path)
+    _set_nested(out, owner + (op.scale_name, "array"), scale)
+    if zero is not None:
+      _set_nested(out, owner + (_zero_point_name(op.scale_name),), zero)
   if stats:
     raise ValueError(f"quantize_params: quant_stats {sorted('/'.join(map(str, p)) for p in stats)}"
                      " belong to no static-scale layer of the PTQ model")

@@ -307,7 +307,9 @@ def test_linen_ptq_errors_name_what_is_wrong():
   with pytest.raises(ValueError, match="no static input scale 'dot_general0_rhs_scale'"):
     qwix.quantize_params(v["params"], abstract, {"hidden": {"dot_general0_rhs": {
         "count": 1, "sum_of_absmax": jnp.ones((1, 1))}}})
-  with pytest.raises(ValueError, match="asymmetric ones.*not supported"):
+  with pytest.raises(ValueError, match=r"'hidden/dot_general0_lhs': statistics \['count', "
+                                       r"'sum_of_max', 'sum_of_min'\]: the rule's symmetric .*"
+                                       r"reads \['count', 'sum_of_absmax'\]"):
     qwix.quantize_params(v["params"], abstract, {"hidden": {"dot_general0_lhs": {
         "count": 1, "sum_of_min": jnp.ones((1, 1)), "sum_of_max": jnp.ones((1, 1))}}})
   with pytest.raises(ValueError, match="hold no quantized weight"):

@@ -234,3 +234,99 @@ def test_asarray_in_a_linen_ptq_apply_only():
   assert got.array.qvalue is aux.array.qvalue and y.shape == (2, 4)
   with pytest.raises((TypeError, ValueError)):
     M().apply({"params": {"Dense_0": {"kernel": jnp.ones((8, 4)), "bias": jnp.zeros(4)}}}, x, aux)
+
+
+# ----------------------------------------------------------------------------
+# Asymmetric (minmax) static input scales.
+
+
+def _minmax_reference(xs, x, qmin=-128, qmax=127):
+  """qwix's meaning of minmax statistics, in float64: the sums of each batch's per-token
+  min(x, 0) / max(x, 0) averaged over the tokens; the scale maps the averaged range onto
+  [qmin, qmax] and the zero point is the code of 0. Returns (sums, scale, zero point, x
+  quantized and dequantized with them)."""
+  xs = [np.asarray(b, np.float64) for b in xs]
+  lo = sum(np.minimum(b.min(1), 0).mean() for b in xs)
+  hi = sum(np.maximum(b.max(1), 0).mean() for b in xs)
+  scale = (hi - lo) / len(xs) / (qmax - qmin)
+  zp = np.round(qmin - lo / len(xs) / scale)
+  xq = (np.clip(np.round(np.asarray(x, np.float64) / scale) + zp, qmin, qmax) - zp) * scale
+  return (lo, hi), scale, zp, xq
+
+
+@pytest.mark.slow
+def test_minmax_static_scale_statistics_and_linen_ptq():
+  """A minmax static-scale rule keeps qwix's {count, sum_of_min, sum_of_max}; PTQ params gain
+  <op id>_lhs_scale (WithAux) and an int8 <op id>_lhs_zero_point from them; the PTQ model
+  predicts the QT forward bit for bit (XLA path) and is the product of the input quantized
+  asymmetrically with that scale and zero point (float64 reference)."""
+  rules = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8", act_qtype="int8",
+                                 act_static_scale=True, act_calibration_method="minmax")]
+  # Shifted inputs: a symmetric scale would waste most of the codes on values never seen.
+  xs = [jax.random.normal(jax.random.key(i), (6, 16), jnp.float32) * (i + 1) + 1.5
+        for i in range(3)]
+  qt = qwix.quantize_model(nn.Dense(4), qwix.QtProvider(rules))
+  v = qt.init(jax.random.key(0), xs[0])
+  assert set(v["quant_stats"]["dot_general0_lhs"]) == {"count", "sum_of_min", "sum_of_max"}
+  for x in xs:
+    _, upd = qt.apply(v, x, mutable=["quant_stats"])
+    v = {**v, **upd}
+  x = jax.random.normal(jax.random.key(7), (5, 16), jnp.float32) * 2 + 1.5
+  (lo, hi), scale, zp, xq = _minmax_reference(xs, x)
+  stat = v["quant_stats"]["dot_general0_lhs"]
+  assert int(stat["count"]) == 3 and stat["sum_of_min"].shape == (1, 1)
+  np.testing.assert_allclose(np.asarray(stat["sum_of_min"]).reshape(()), lo, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(stat["sum_of_max"]).reshape(()), hi, rtol=1e-6)
+  ptq = qwix.quantize_model(nn.Dense(4), qwix.PtqProvider(rules, implementation="xla"))
+  template = jax.eval_shape(ptq.init, jax.random.key(0), xs[0])["params"]
+  assert template["dot_general0_lhs_zero_point"].shape == (1, 1)
+  params = qwix.quantize_params(v["params"], template, v["quant_stats"])
+  assert jax.tree.structure(params) == jax.tree.structure(template)
+  z = params["dot_general0_lhs_zero_point"]
+  assert z.dtype == jnp.int8 and int(z.reshape(())) == zp
+  np.testing.assert_allclose(np.asarray(params["dot_general0_lhs_scale"].array).reshape(()),
+                             scale, rtol=1e-5)
+  got = np.asarray(ptq.apply({"params": params}, x))
+  np.testing.assert_array_equal(got, np.asarray(qt.apply(v, x)))
+  w = np.asarray(qwix.dequantize(params["kernel"].array), np.float64)
+  want = xq @ w + np.asarray(v["params"]["bias"], np.float64)
+  # float32 accumulation of 16 products of values up to ~|x| |w|.
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(xq).max() * np.abs(w).sum(0).max())
+  # The input's rounding error within the range is at most half a step.
+  inside = (np.asarray(x) >= lo / 3) & (np.asarray(x) <= hi / 3)
+  assert np.all(np.abs(xq - np.asarray(x, np.float64))[inside] <= scale / 2 + 1e-7)
+  with pytest.raises(ValueError, match=r"statistics \['count', 'sum_of_absmax'\]: the rule's "
+                                       r"asymmetric .*reads \['count', 'sum_of_max', 'sum_of_min'\]"):
+    qwix.quantize_params(v["params"], template, {"dot_general0_lhs": {
+        "count": np.int32(1), "sum_of_absmax": np.ones((1, 1), np.float32)}})
+
+
+@pytest.mark.slow
+def test_minmax_static_scale_nnx_ptq_both_flows():
+  """nnx: a QT model calibrated with minmax, made PTQ by quantize_model (its statistics carried
+  over) and by quantize_params into an abstract PTQ model: both hold the same int8 zero point
+  and scale, and predict what the QT model predicts once calibration stops."""
+  from qtrain.flax import model as model_lib
+  rules = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8", act_qtype="int8",
+                                 act_static_scale=True, act_calibration_method="minmax")]
+  xs = [jax.random.normal(jax.random.key(i), (6, 16), jnp.float32) - 2.0 * (i + 1)
+        for i in range(3)]
+  qt = qwix.quantize_model(nnx.Linear(16, 4, rngs=nnx.Rngs(0)), qwix.QtProvider(rules), xs[0])
+  for x in xs:  # the sample forward does not calibrate
+    qt(x)
+  _, scale, zp, _ = _minmax_reference(xs, xs[0])
+  ptq = qwix.quantize_model(qt, qwix.PtqProvider(rules, implementation="xla"), xs[0])
+  assert ptq.dot_general0_lhs_zero_point[...].dtype == jnp.int8
+  assert int(ptq.dot_general0_lhs_zero_point[...].reshape(())) == zp
+  np.testing.assert_allclose(np.asarray(ptq.dot_general0_lhs_scale.array[...]).reshape(()),
+                             scale, rtol=1e-5)
+  abstract = nnx.eval_shape(lambda: qwix.quantize_model(
+      qt, qwix.PtqProvider(rules, implementation="xla"), xs[0]))
+  stats = nnx.to_pure_dict(nnx.state(qt, qwix.QuantStat))
+  nnx.update(abstract, qwix.quantize_params(nnx.to_pure_dict(nnx.state(qt, nnx.Param)),
+                                            abstract, stats))
+  x = jax.random.normal(jax.random.key(9), (3, 16), jnp.float32) - 4.0
+  model_lib.set_calibrate(qt, False)
+  want = np.asarray(qt(x))
+  np.testing.assert_array_equal(np.asarray(ptq(x)), want)
+  np.testing.assert_array_equal(np.asarray(abstract(x)), want)

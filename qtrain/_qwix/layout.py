@@ -134,10 +134,13 @@ class WeightHow:
 
 @dataclasses.dataclass(frozen=True)
 class ScaleHow:
-  """``how`` of a PTQ static input scale: its frozen layer's key and the input's qtype."""
+  """``how`` of a PTQ static input scale: its frozen layer's key, the input's qtype, and
+  whether the scale has a zero point (an asymmetric, ``minmax``, static scale: a plain param
+  ``<op id>_lhs_zero_point`` beside ``<op id>_lhs_scale``, as qwix keeps it)."""
 
   key: str
   qtype: str
+  zero_point: bool = False
 
   @property
   def qmax(self) -> float:
@@ -166,7 +169,7 @@ def _expand(a, shape):
   return jnp.broadcast_to(a, shape)
 
 
-def to_frozen(how: WeightHow, qarray: QArray, scale_a=None) -> FrozenLayer:
+def to_frozen(how: WeightHow, qarray: QArray, scale_a=None, zero_a=None) -> FrozenLayer:
   """The frozen layer of a PTQ weight: its codes packed ``(N, K)``, scales per channel / group."""
   spec = how.spec
   qv = jnp.asarray(unbox(qarray.qvalue))
@@ -201,7 +204,8 @@ def to_frozen(how: WeightHow, qarray: QArray, scale_a=None) -> FrozenLayer:
   return dataclasses.replace(
       spec, words=packing.pack(codes, spec.w_qtype, axis=-1), w_scale=per_group(scale),
       w_zero=None if zp is None else per_group(zp),
-      scale_a=None if scale_a is None else jnp.asarray(scale_a, jnp.float32).reshape(()))
+      scale_a=None if scale_a is None else jnp.asarray(scale_a, jnp.float32).reshape(()),
+      zero_a=None if zero_a is None else jnp.asarray(zero_a).astype(jnp.float32).reshape(()))
 
 
 def requantize(how: WeightHow, kernel, where: str) -> QArray:
@@ -259,6 +263,12 @@ def asarray(a, dtype, fallback):
       return a.astype(dtype)
     return a
   return fallback(a, dtype)
+
+
+def static_zero_point_array(zero_point, ndim: int, qtype: str):
+  """A per-tensor input zero point in qwix's layout: shape ``(1,) * ndim``, in the input
+  qtype's storage dtype (int8; int4 / int2)."""
+  return jnp.asarray(zero_point).reshape((1,) * ndim).astype(storage_dtype(qtype))
 
 
 def is_quantized_leaf(x) -> bool:
