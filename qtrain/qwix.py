@@ -1241,6 +1241,18 @@ def _template_leaves(model) -> dict[tuple, Any]:
   return {tuple(k): v for k, v in nnx.to_flat_state(nnx.state(model))}
 
 
+def _array_attribute_leaves(leaves: Mapping[tuple, Any]) -> dict[tuple, Any]:
+  """``<path>/array`` -> the array-like (shape and dtype) ``array`` attribute of the value of
+  each template Variable at ``<path>`` that has one (a value that carries its array, as
+  qwix's boxed abstract values do): a checkpoint entry there is placed into it."""
+  out = {}
+  for path, var in leaves.items():
+    inner = getattr(var.get_value() if isinstance(var, nnx.Variable) else var, "array", None)
+    if hasattr(inner, "shape") and hasattr(inner, "dtype") and path + ("array",) not in leaves:
+      out[path + ("array",)] = inner
+  return out
+
+
 def _place(value, var, path: str, *, allow_broadcast: bool = False) -> jax.Array:
   """A checkpoint array as the template Variable ``var``'s: its dtype, shape (a scale or zero
   point may be given per tile of a finer one: repeated) and sharding."""
@@ -1288,7 +1300,8 @@ def process_prequantized_params(checkpoint_params: Mapping, template_params, *,
     at ``<param>/array/<name>``;
   * a float parameter: a pre-quantized weight is dequantized into it (``(qvalue - zero_point) *
     scale``), a float one cast; in the parameter's dtype and sharding (an abstract mesh's on the
-    mesh of ``jax.set_mesh``).
+    mesh of ``jax.set_mesh``). A parameter whose value carries its array as an ``array``
+    attribute (an abstract value boxing it) takes an entry at ``<param>/array`` into that array.
 
   Args:
     checkpoint_params: the checkpoint's tree (nnx state paths, no ``.value``).
@@ -1307,6 +1320,7 @@ def process_prequantized_params(checkpoint_params: Mapping, template_params, *,
                     f"nnx.eval_shape); got {type(template_params).__name__}")
   leaves = _template_leaves(template_params)
   prefixes = {p[:i] for p in leaves for i in range(1, len(p))}
+  leaves.update(_array_attribute_leaves(leaves))
   out: dict = {}
   for path, leaf in _flatten_checkpoint(checkpoint_params).items():
     name = "/".join(map(str, path))

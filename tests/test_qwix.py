@@ -705,6 +705,37 @@ def test_process_prequantized_params_errors_name_what_is_wrong():
   assert got["out"]["kernel"]["array"]["qvalue"].dtype == jnp.int8
 
 
+@pytest.mark.slow
+def test_process_prequantized_params_fills_a_template_value_that_carries_its_array():
+  """A template parameter whose (abstract) value carries its array as an ``array`` attribute
+  takes a checkpoint entry at <param>/array into that array: a {qvalue, scale} entry
+  dequantized (qvalue * scale, per tile) into its dtype and shape; a float entry at <param>
+  itself still goes to the parameter."""
+
+  class Boxed(jax.ShapeDtypeStruct):
+    def __init__(self, shape, dtype, array):
+      super().__init__(shape, dtype)
+      object.__setattr__(self, "array", array)
+
+  class M(nnx.Module):
+    def __init__(self):
+      self.kernel = nnx.Param(Boxed((12, 6), jnp.float32,
+                                    jax.ShapeDtypeStruct((12, 6), jnp.bfloat16)))
+
+  leaf, ref = _prequantized(jax.random.normal(jax.random.key(3), (12, 6)), tile=4)
+  got = qwix.process_prequantized_params({"kernel": {"array": leaf}}, M())
+  out = got["kernel"]["array"]
+  assert isinstance(out, jax.Array) and out.dtype == jnp.bfloat16 and out.shape == (12, 6)
+  np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                np.asarray(jnp.asarray(ref).astype(jnp.bfloat16), np.float32))
+  flat = qwix.process_prequantized_params({"kernel": np.ones((12, 6), np.float32)}, M())
+  assert flat["kernel"].shape == (12, 6) and flat["kernel"].dtype == jnp.float32
+  with pytest.raises(ValueError, match=r"'kernel/array' has shape \(12, 5\)"):
+    qwix.process_prequantized_params(
+        {"kernel": {"array": {"qvalue": leaf["qvalue"][:, :5], "scale": leaf["scale"][:, :5]}}},
+        M())
+
+
 def test_restore_quantization_rules_reads_one_rule_per_module():
   """qwix's restore_quantization_rules: a rule per module holding a {qvalue, scale} leaf, its
   qtype the codes' dtype, minmax where a zero point is stored, integer keys as a wildcard; rules
