@@ -127,6 +127,7 @@ from qtrain.flax import intercept as _intercept
 from qtrain.flax import model as model_lib
 from qtrain.flax.model import variable_get
 from qtrain.ops import lora as lora_ops
+from qtrain.ops import placement
 from qtrain.qlayers import QConv, QDense
 from qtrain.rules import QtRule
 
@@ -538,27 +539,43 @@ class FrozenOp(nnx.Module):
     return layer
 
   def __call__(self, *args, **kwargs):
-    if kwargs.pop("out_sharding", None) is not None:
-      raise NotImplementedError(f"frozen layer {_where(self.path)!r}: out_sharding is not "
-                                "supported")
+    out_sharding = kwargs.pop("out_sharding", None)
+    if self.op_name == "einsum":  # (subscripts, *operands)
+      head, operands, tail = args[:1], args[1:], ()
+    else:  # (lhs, rhs, *rest)
+      head, operands, tail = (), args[:2], args[2:]
+    carried = (self.layer, self._adapter())
+
+    def frozen(*ops_and_carried):
+      *ops, (layer, adapter) = ops_and_carried
+      return self._product(layer, adapter, *head, *ops, *tail, **kwargs)
+    if placement.needs_placement(out_sharding):
+      # The float op this one replaces, for where it would place its result.
+      original = _intercept.original(self.op_name)
+      kw = {} if out_sharding is None else {"out_sharding": out_sharding}
+      return placement.as_float_sharded(
+          lambda *ops: original(*head, *ops, *tail, **kwargs, **kw), frozen, *operands,
+          out_sharding=out_sharding, carried=carried)
+    return frozen(*operands, carried)
+
+  def _product(self, layer, adapter, *args, **kwargs):
+    where = _where(self.path)
     if self.op_name == "dot_general":
-      return self._dot_general(*args, **kwargs)
+      return self._dot_general(layer, adapter, *args, **kwargs)
     if self.op_name == "einsum":
       subscripts, *operands = args
-      return _frozen.einsum(self.layer, subscripts, operands, kwargs, weight_operand=1,
-                            implementation=self.implementation, where=_where(self.path),
-                            adapter=self._adapter())
-    return _frozen.conv_general_dilated(self.layer, *args, **kwargs,
-                                        implementation=self.implementation,
-                                        where=_where(self.path))
+      return _frozen.einsum(layer, subscripts, operands, kwargs, weight_operand=1,
+                            implementation=self.implementation, where=where, adapter=adapter)
+    return _frozen.conv_general_dilated(layer, *args, **kwargs,
+                                        implementation=self.implementation, where=where)
 
-  def _dot_general(self, lhs, rhs, dimension_numbers, precision=None,
+  def _dot_general(self, layer, adapter, lhs, rhs, dimension_numbers, precision=None,
                    preferred_element_type=None):
     del precision  # a product of quantized values has its own (the QT op's) precision
-    return _frozen.dot_general(self.layer, lhs, rhs, dimension_numbers,
+    return _frozen.dot_general(layer, lhs, rhs, dimension_numbers,
                                preferred_element_type=preferred_element_type, weight_operand=1,
                                implementation=self.implementation, where=_where(self.path),
-                               adapter=self._adapter())
+                               adapter=adapter)
 
   def _adapter(self):
     if getattr(self, "lora_a", None) is None:
@@ -778,53 +795,74 @@ class _FrozenOps:
     self.layers = layers  # {(path, op_id): (FrozenLayer, where)}
     self.implementation = implementation
 
-  def _hit(self, path, op_id, out_sharding):
-    hit = self.layers.get((path, op_id))
-    if hit is not None and out_sharding is not None:
-      raise NotImplementedError(f"frozen layer {hit[1]!r} was called with out_sharding="
-                                f"{out_sharding!r}; frozen ops do not take out_sharding")
-    return hit
-
   def dot_general(self, host, path, op_id, lhs, rhs, dimension_numbers, precision=None,
                   preferred_element_type=None, *, weight_operand, fallback, out_sharding=None,
                   op_name="dot_general", record_shapes=None):
-    hit = self._hit(path, op_id, out_sharding)
-    if hit is None:
+    hit = self.layers.get((path, op_id))
+
+    def float_call(l, r):
       kw = {} if out_sharding is None else {"out_sharding": out_sharding}
-      return fallback(lhs, rhs, dimension_numbers, precision=precision,
+      return fallback(l, r, dimension_numbers, precision=precision,
                       preferred_element_type=preferred_element_type, **kw)
-    return _frozen.dot_general(hit[0], lhs, rhs, dimension_numbers,
-                               preferred_element_type=preferred_element_type,
-                               weight_operand=weight_operand, implementation=self.implementation,
-                               where=hit[1], adapter=_linen_adapter(host, hit))
+    if hit is None:
+      return float_call(lhs, rhs)
+
+    def frozen(l, r, carried):
+      return _frozen.dot_general(carried[0], l, r, dimension_numbers,
+                                 preferred_element_type=preferred_element_type,
+                                 weight_operand=weight_operand, implementation=self.implementation,
+                                 where=hit[1], adapter=carried[1])
+    carried = (hit[0], _linen_adapter(host, hit))
+    if placement.needs_placement(out_sharding):
+      return placement.as_float_sharded(float_call, frozen, lhs, rhs, out_sharding=out_sharding,
+                                        carried=carried)
+    return frozen(lhs, rhs, carried)
 
   def einsum(self, host, path, op_id, subscripts, operands, kwargs, *, weight_operand, fallback):
-    hit = self._hit(path, op_id, kwargs.get("out_sharding"))
+    hit = self.layers.get((path, op_id))
     if hit is None:
       return fallback(subscripts, *operands, **kwargs)
-    return _frozen.einsum(hit[0], subscripts, operands, kwargs, weight_operand=weight_operand,
-                          implementation=self.implementation, where=hit[1],
-                          adapter=_linen_adapter(host, hit))
+    rest = {k: v for k, v in kwargs.items() if k != "out_sharding"}
+
+    def frozen(*ops_and_carried):
+      *ops, (layer, adapter) = ops_and_carried
+      return _frozen.einsum(layer, subscripts, tuple(ops), rest, weight_operand=weight_operand,
+                            implementation=self.implementation, where=hit[1], adapter=adapter)
+    carried = (hit[0], _linen_adapter(host, hit))
+    if placement.needs_placement(kwargs.get("out_sharding")):
+      return placement.as_float_sharded(lambda *ops: fallback(subscripts, *ops, **kwargs), frozen,
+                                        *operands, out_sharding=kwargs.get("out_sharding"),
+                                        carried=carried)
+    return frozen(*operands, carried)
 
   def conv_general_dilated(self, host, path, op_id, lhs, rhs, window_strides, padding,
                            lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
                            feature_group_count=1, batch_group_count=1, precision=None,
                            preferred_element_type=None, *, weight_operand, fallback,
                            out_sharding=None):
-    hit = self._hit(path, op_id, out_sharding)
-    if hit is None:
+    hit = self.layers.get((path, op_id))
+
+    def float_call(l, r):
       kw = {} if out_sharding is None else {"out_sharding": out_sharding}
-      return fallback(lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
+      return fallback(l, r, window_strides, padding, lhs_dilation=lhs_dilation,
                       rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
                       feature_group_count=feature_group_count, batch_group_count=batch_group_count,
                       precision=precision, preferred_element_type=preferred_element_type, **kw)
+    if hit is None:
+      return float_call(lhs, rhs)
     if weight_operand is not None and weight_operand != 1:
       raise _frozen._mismatch(hit[1], f"its kernel is operand {weight_operand}, frozen as 1")
     _check_unmasked(host.module, hit[1])
-    return _frozen.conv_general_dilated(
-        hit[0], lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
-        feature_group_count, batch_group_count, precision, preferred_element_type,
-        implementation=self.implementation, where=hit[1])
+
+    def frozen(l, r, layer):
+      return _frozen.conv_general_dilated(
+          layer, l, r, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+          feature_group_count, batch_group_count, precision, preferred_element_type,
+          implementation=self.implementation, where=hit[1])
+    if placement.needs_placement(out_sharding):
+      return placement.as_float_sharded(float_call, frozen, lhs, rhs, out_sharding=out_sharding,
+                                        carried=hit[0])
+    return frozen(lhs, rhs, hit[0])
 
 
 def apply_frozen(model, frozen, *args, implementation: str = "auto", method=None, **kwargs):

@@ -47,6 +47,7 @@ from qtrain.ops import config as cfg_lib
 from qtrain.ops import conv_general_qt as _conv_general_qt
 from qtrain.ops import dot_general_qt as _dot_general_qt
 from qtrain.ops import lora as lora_lib
+from qtrain.ops import placement
 from qtrain.ops import ragged_dot_qt as _ragged_dot_qt
 
 DROPOUT_STREAM = "dropout"
@@ -154,31 +155,6 @@ def _listing(items: Sequence[str], limit: int = 6) -> str:
   shown = ", ".join(repr(x) for x in items[:limit])
   more = f" and {len(items) - limit} more" if len(items) > limit else ""
   return f"[{shown}]{more}"
-
-
-def _explicit_sharding() -> bool:
-  """Whether the context mesh (``jax.set_mesh``) has Explicit axes: then arrays carry their
-  sharding in their type and a product's output sharding is part of its result."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
-
-
-def _as_float_sharded(float_call: Callable, quantized: Callable, *args, out_sharding=None):
-  """``quantized(*args)`` with the output sharding the float op has (its ``out_sharding``, or
-  what explicit sharding infers; the float op's own error where it has none).
-
-  Under Explicit mesh axes every product inside the op would need its own output sharding (a
-  weight gradient contracts the sharded batch): the op runs with the axes Auto instead
-  (``jax.sharding.auto_axes``), partitioned as under ``jit``, and its result is cast to the
-  float op's sharding; the gradients come back in their operands' shardings.
-  """
-  want = getattr(jax.eval_shape(float_call, *args), "sharding", None)
-  if want is None:  # no mesh in context: the float op took out_sharding as a placement
-    out = quantized(*args)
-    if isinstance(out_sharding, jax.sharding.NamedSharding):
-      out = jax.lax.with_sharding_constraint(out, out_sharding)
-    return out
-  return jax.sharding.auto_axes(quantized, out_sharding=want.spec)(*args)
 
 
 class QtProvider:
@@ -468,9 +444,9 @@ class QtProvider:
     if weight_operand is None or weight_operand < 0:
       self._no_weight(path, op_id, op_name, m, weight_operand, shapes)
       return float_call()
-    if out_sharding is not None or _explicit_sharding():
+    if placement.needs_placement(out_sharding):
       with self._naming(m, op_name, path):
-        return _as_float_sharded(
+        return placement.as_float_sharded(
             lambda l, r: fallback(l, r, dimension_numbers, precision=precision,
                                   preferred_element_type=preferred_element_type,
                                   **({} if out_sharding is None else
@@ -545,10 +521,10 @@ class QtProvider:
     if weight_operand is None or weight_operand < 0:
       self._no_weight(path, op_id, "einsum", m, weight_operand, shapes)
       return fallback(subscripts, *operands, **kwargs)
-    if kwargs.get("out_sharding") is not None or _explicit_sharding():
+    if placement.needs_placement(kwargs.get("out_sharding")):
       rest = {k: v for k, v in kwargs.items() if k != "out_sharding"}
       with self._naming(m, "einsum", path):
-        return _as_float_sharded(
+        return placement.as_float_sharded(
             lambda *ops: fallback(subscripts, *ops, **kwargs),
             lambda *ops: self.einsum(host, path, op_id, subscripts, ops, rest,
                                      weight_operand=weight_operand, fallback=fallback),
@@ -600,9 +576,9 @@ class QtProvider:
     if weight_operand != 1:
       self._no_weight(path, op_id, "conv_general_dilated", m, weight_operand, shapes)
       return float_call()
-    if out_sharding is not None or _explicit_sharding():
+    if placement.needs_placement(out_sharding):
       with self._naming(m, "conv_general_dilated", path):
-        return _as_float_sharded(
+        return placement.as_float_sharded(
             lambda l, r: fallback(l, r, window_strides, padding, lhs_dilation=lhs_dilation,
                                   rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
                                   feature_group_count=feature_group_count,
@@ -677,9 +653,9 @@ class QtProvider:
     if weight_operand != 1:
       self._no_weight(path, op_id, "ragged_dot", m, weight_operand, shapes)
       return float_call()
-    if out_sharding is not None or _explicit_sharding():
+    if placement.needs_placement(out_sharding):
       with self._naming(m, "ragged_dot", path):
-        return _as_float_sharded(
+        return placement.as_float_sharded(
             lambda *_: float_call(),  # the original call, its out_sharding included
             lambda l, r, gs: self.ragged_dot(
                 host, path, op_id, l, r, gs, weight_operand=weight_operand,

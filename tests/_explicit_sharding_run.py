@@ -109,6 +109,51 @@ with jax.set_mesh(MESH):
 res["nnx"] = dict(equal=bool(np.array_equal(np.asarray(y_one), np.asarray(y_many))),
                   y_type=typeof_str(y_many))
 
+# Frozen (serving) models: the frozen ops place their results as the float ops do.
+from qtrain import freeze  # noqa: E402
+
+prov = qtrain.QtProvider([RULE])
+q = qtrain.quantize_model(Linen(False), prov)
+v = q.init(jax.random.key(1), X)
+fr = freeze.freeze(v, prov)
+y_one = freeze.apply_frozen(Linen(False), fr, X)
+frozen = {}
+for name, sharded_out in (("out_sharding", True), ("inferred", False)):
+  with jax.set_mesh(MESH):
+    y = jax.jit(lambda f, x: freeze.apply_frozen(Linen(sharded_out), f, x))(
+        jax.device_put(fr, NamedSharding(MESH, P())),
+        jax.device_put(X, NamedSharding(MESH, P("data", None))))
+  frozen[name] = dict(close=float(np.max(np.abs(np.asarray(y) - np.asarray(y_one)))),
+                      y_type=typeof_str(y))
+
+
+class NnxLinears(nnx.Module):
+  """nnx.Linear -> nnx.Linear, the first called with out_sharding."""
+
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(16, 32, rngs=rngs)
+    self.l2 = nnx.Linear(32, 4, rngs=rngs)
+
+  def __call__(self, x, out=None):
+    return self.l2(jnp.tanh(self.l1(x, out_sharding=out)))
+
+
+def frozen_nnx(x):
+  m = NnxLinears(nnx.Rngs(0))
+  prov = qtrain.QtProvider([RULE])
+  qtrain.quantize_model(m, prov, x)
+  return freeze.freeze(m, prov)
+
+
+y_one = freeze.apply_frozen(frozen_nnx(X), X)
+with jax.set_mesh(MESH):
+  xs = jax.device_put(X, NamedSharding(MESH, P("data", None)))
+  fm = frozen_nnx(xs)
+  y = nnx.jit(lambda m, x: freeze.apply_frozen(m, x, P("data", None)))(fm, xs)
+frozen["nnx"] = dict(close=float(np.max(np.abs(np.asarray(y) - np.asarray(y_one)))),
+                     y_type=typeof_str(y))
+res["frozen"] = frozen
+
 # An ambiguous product (a contraction over a sharded axis with no out_sharding) raises the float
 # op's error, named for the layer.
 q = qtrain.quantize_model(Linen(False), qtrain.QtProvider([RULE]))

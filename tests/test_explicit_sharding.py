@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# One subprocess (~50 s on 2 cores) serves every test here.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,6 @@ def run() -> dict:
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", ["out_sharding", "inferred"])
 def test_linen_data_parallel_step_matches_one_device(run, case):
   r = run[case]
@@ -51,3 +52,11 @@ def test_nnx_einsum_with_out_sharding(run):
 
 def test_an_ambiguous_product_raises_the_float_ops_error(run):
   assert run["ambiguous"].startswith("ShardingTypeError") and "out_sharding" in run["ambiguous"]
+
+
+@pytest.mark.parametrize("case", ["out_sharding", "inferred", "nnx"])
+def test_frozen_ops_place_their_results_as_the_float_ops_do(run, case):
+  """A frozen (serving) model under Explicit axes: linen products with out_sharding and without,
+  nnx.Linear called with out_sharding; the predictions of one device, the float op's sharding."""
+  r = run["frozen"][case]
+  assert r["close"] == 0.0 and r["y_type"] == "float32[8@data,4]", r

@@ -232,3 +232,8 @@ def test_out_sharding_on_a_quantized_op_is_taken_as_the_float_op_takes_it(op):
       qtrain.quantize_model(M(), qtrain.QtProvider([quant])).apply(v, x)))
   assert not np.array_equal(np.asarray(y), np.asarray(M().apply(v, x)))  # quantized, not float
   assert y.sharding.is_equivalent_to(out, y.ndim)
+  # Frozen, the op takes out_sharding too: the QT forward's numbers, the float op's placement.
+  from qtrain import freeze
+  fy = freeze.apply_frozen(M(out), freeze.freeze(v, p), x)
+  np.testing.assert_array_equal(np.asarray(fy), np.asarray(y))
+  assert fy.sharding.is_equivalent_to(out, fy.ndim)
