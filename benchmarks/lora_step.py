@@ -16,6 +16,8 @@ in lm_step.py, on the adapters alone. The configs (``CONFIGS``):
                 to bf16, one layer at a time); gradients reach the adapters through the
                 dequantized weights
   qlora_int4    as qlora_int8 with int4 codes in groups of 64 along K
+  qlora_nf4     as qlora_int4 with NF4 codes (QLoRA's 4-bit normal-float value set, groups of
+                64 along K: the QLoRA paper's storage format, without its double quantization)
   qlora_int4_triton  qlora_int4 with every frozen forward product forced onto the packed
                 W4A16 Triton kernel (what "auto" picks only for M <= 16 rows)
 
@@ -32,7 +34,7 @@ On the GPU machine:
 On a CPU (tiny sizes; never into RESULTS.md):
 
   python3 benchmarks/lora_step.py --widths 64 --layers 1 --seq 64 --batch 2 --steps 2 \\
-      --repeats 1 --configs lora_bf16,qlora_int8,qlora_int4,full_bf16   # the Triton one needs a GPU
+      --repeats 1 --configs lora_bf16,qlora_int8,qlora_int4,qlora_nf4,full_bf16   # the Triton one needs a GPU
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ CONFIGS = {
     "lora_bf16": "LoRA on a bf16 base (not differentiated, no optimizer state)",
     "qlora_int8": "QLoRA: frozen packed int8 base (per channel), bf16 activations",
     "qlora_int4": "QLoRA: frozen packed int4 base (groups of 64), bf16 activations",
+    "qlora_nf4": "QLoRA: frozen packed NF4 base (groups of 64), bf16 activations",
     "qlora_int4_triton": "qlora_int4 with the frozen forward products on the packed Triton kernel",
 }
 BASELINE = "lora_bf16"
@@ -73,6 +76,8 @@ def rules(name: str, rank: int) -> list[qtrain.QtRule]:
     return [qtrain.QtRule(**ad)]
   if name == "qlora_int8":
     return [qtrain.QtRule(**ad, weight_qtype="int8")]
+  if name == "qlora_nf4":
+    return [qtrain.QtRule(**ad, weight_qtype="nf4", tile_size=64)]
   return [qtrain.QtRule(**ad, weight_qtype="int4", tile_size=64)]
 
 
