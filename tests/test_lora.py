@@ -170,6 +170,7 @@ def test_empty_batch():
   assert qm.apply(v, jnp.zeros((0, 8))).shape == (0, 4)
 
 
+@pytest.mark.slow
 def test_lora_rule_on_a_convolution_raises_naming_the_layer():
   class C(nn.Module):
     @nn.compact
@@ -249,6 +250,7 @@ def test_split_and_combine_errors():
 # ----------------------------------------------------------------------------- merge
 
 
+@pytest.mark.slow
 def test_merge_folds_adapters_into_float_weights():
   rule = qtrain.QtRule(module_path=".*", lora_rank=3, lora_alpha=1.5)
   prov = qtrain.QtProvider([rule])
@@ -454,6 +456,7 @@ def _nnx_randomize(model, seed=0):
       var.set_value(jnp.asarray(rng.normal(size=var.shape) * 0.3, jnp.float32))
 
 
+@pytest.mark.slow
 def test_nnx_needs_sample_inputs_and_a_params_stream():
   x, _ = _data(4)
   prov = qtrain.QtProvider([qtrain.QtRule(module_path=".*", lora_rank=2)])

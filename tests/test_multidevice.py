@@ -114,7 +114,8 @@ def _check(out: dict, qtype: str) -> None:
   assert np.max(np.abs(per_shard - single) / single) > 1e-5, (per_shard, single)
 
 
-@pytest.mark.parametrize("qtype", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["int8", "fp8"])
 def test_sharded_training_matches_one_device_on_4_devices(qtype):
   _check(_run(4, qtype), qtype)
 

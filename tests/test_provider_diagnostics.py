@@ -82,6 +82,7 @@ class TestUnmatchedRules:
       assert repr(path) in msgs[0]
     assert "'.*mlp.*'" in msgs[0]
 
+  @pytest.mark.slow
   def test_nnx_warns_once_at_quantize_model_with_near_misses(self):
     p = qtrain.QtProvider([qtrain.QtRule(module_path="mlp_up", weight_qtype="int8"),
                            qtrain.QtRule(module_path=".*", weight_qtype="int8")])

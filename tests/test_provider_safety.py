@@ -137,6 +137,7 @@ def test_inner_jit_traced_first_inside_quantized_model_stays_float():
                                 jax.jit(lambda x, w: jnp.einsum("bi,ij->bj", x, w))(X, W))
 
 
+@pytest.mark.slow
 def test_float_nnx_model_unaffected_by_quantized_nnx_model():
   f = nnx.Linear(32, 32, rngs=nnx.Rngs(0))
   before = f(X)
@@ -200,6 +201,7 @@ def test_threads_float_and_quantized_concurrently():
   assert not _intercept.installed()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", ["dot_general", "einsum", "matmul", "dot"])
 def test_out_sharding_on_a_quantized_op_is_taken_as_the_float_op_takes_it(op):
   """A quantized op called with out_sharding runs quantized (never quietly float) and places

@@ -120,6 +120,7 @@ def test_tile_not_dividing_the_contraction_names_the_layer_and_rule(frontend):
                                                    decode=False, rngs=nnx.Rngs(0)), rules)(X)
 
 
+@pytest.mark.slow
 def test_conv_under_a_tile_rule_names_the_layer_and_rule():
   class Net(nn.Module):
     @nn.compact

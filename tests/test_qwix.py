@@ -62,6 +62,7 @@ def test_qt_rule_trains_as_the_qtrain_rule_it_stands_for_with_qwix_rng_stream():
   _assert_differ(got[0], _grads(qtrain.QtProvider([]), "quant")[0])
 
 
+@pytest.mark.slow
 def test_empty_op_names_means_every_op_and_a_list_restricts():
   every = qwix.QtProvider([qwix.QtRule(weight_qtype="int8", act_qtype="int8")])
   model = qtrain.quantize_model(_Net(), every)
@@ -329,6 +330,7 @@ class _NnxMlp(nnx.Module):
     return self.out(nnx.relu(self.hidden(x)))
 
 
+@pytest.mark.slow
 def test_nnx_ptq_from_qt_and_float_models_predicts_what_the_qt_forward_does():
   """nnx: quantize_model(qt_model, PtqProvider(rules), x) freezes the trained QT model (a new
   model; the QT model is left as it is); from a float model it quantizes a copy and runs it
@@ -352,6 +354,7 @@ def test_nnx_ptq_from_qt_and_float_models_predicts_what_the_qt_forward_does():
   assert qwix.quantize_params({}, ptq) == {}  # a subtree of the params: here none
 
 
+@pytest.mark.slow
 def test_nnx_ptq_from_an_abstract_model_and_float_params():
   """qwix's nnx flow: the PTQ model from nnx.eval_shape (no weights computed), filled by
   quantize_params(float pure dict, abstract model) and nnx.update: the predictions of the PTQ
@@ -550,6 +553,7 @@ def test_quantize_params_allow_extra_params_drops_what_the_ptq_model_never_uses(
   assert not np.array_equal(want, fp)
 
 
+@pytest.mark.slow
 def test_nnx_quantize_params_extra_params_raise_unless_allowed():
   x = jax.random.normal(jax.random.key(0), (4, 16), jnp.float32)
   rules = [qwix.QuantizationRule(weight_qtype=jnp.int8)]

@@ -82,6 +82,7 @@ def test_static_scale_statistics_have_qwix_names_and_meaning():
                              want, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_qwix_static_scale_checkpoint_loads_into_ptq():
   """quant_stats written by hand in qwix's layout (count, sum_of_absmax) give the PTQ static
   scale sum / count / qmax; the PTQ model then quantizes its input with that scale."""

@@ -312,6 +312,7 @@ def test_codes_pack_in_4_bits_and_back(name):
     packing.pack(jnp.full((1, 8), 16, jnp.int32), name)
 
 
+@pytest.mark.slow
 def test_values_of_reads_the_table():
   q = qarray.quantize(jnp.asarray(_rows((2, 64), 4)), _spec("nf4"))
   np.testing.assert_array_equal(np.asarray(qarray.values_of(q)),

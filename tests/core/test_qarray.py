@@ -100,6 +100,7 @@ def _spec(qtype, cw, tiles, calibration="absmax", **kw):
 # Per-qtype error budgets.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", INT_QTYPES)
 @pytest.mark.parametrize("shape,cw,tiles", LAYOUTS)
 def test_int_absmax_within_half_step(qtype, shape, cw, tiles):
@@ -544,6 +545,7 @@ def test_binary_fixed_maps_zero_to_plus_bound_in_nonzero_groups_every_other_case
       assert float(q.scale[1, 0]) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype,method", CAL_CASES)
 def test_empty_groups_quantize_like_all_zero_groups(qtype, method):
   # A contraction of size 0 (e.g. K = 0): groups of no values. Reductions take

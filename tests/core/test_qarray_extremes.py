@@ -196,6 +196,7 @@ def _check_minmax(q, x64, g, s, s32, deq, y, cw, tiles):
   assert np.all(e_lo <= np.maximum(lo_e + s / 2, -reach) + 2.0 ** -20 * np.abs(e_lo))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["int8", "int4", "float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("method", ["uniform", "low_bit_uniform", "low_bit_hash"])
 def test_stochastic_rounding_at_the_extremes_gives_a_neighbour(qtype, method):

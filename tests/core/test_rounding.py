@@ -296,6 +296,7 @@ def _chi2_bound(dof: int) -> float:
   return dof * (1 - 2 / (9 * dof) + Z_MAX * np.sqrt(2 / (9 * dof))) ** 3
 
 
+@pytest.mark.slow
 def test_hash_words_bytes_are_uniform_and_uncorrelated():
   w = np.asarray(rounding.hash_words(jax.random.key(21), (64, 4096)), np.uint32).reshape(-1)
   assert np.unique(w).size == w.size  # a permutation of the indices: no repeats

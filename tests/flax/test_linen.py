@@ -358,6 +358,7 @@ class TestState:
     dyn = ops.dot_general_qt(x, k, DN, _cfg()) + b
     assert not np.allclose(y, dyn)  # clipped by the static scale
 
+  @pytest.mark.slow
   def test_static_scale_ema(self):
     qm = self._static("ema")
     v = jax.jit(qm.init)(jax.random.key(1), X)
@@ -415,6 +416,7 @@ class TestRng:
                                                    bwd_stochastic_rounding="uniform"))
     return qm, jax.jit(qm.init)(jax.random.key(1), X)  # init needs no "quant" stream
 
+  @pytest.mark.slow
   def test_missing_stream_is_a_clear_error_for_gradients(self):
     qm, v = self._model()
     y = qm.apply(v, X)  # evaluation needs no keys
@@ -422,6 +424,7 @@ class TestRng:
     with pytest.raises(ValueError, match=r"RNG stream 'quant'.*rngs=\{'quant': key\}"):
       jax.grad(lambda p: qm.apply({"params": p}, X).sum())(v["params"])
 
+  @pytest.mark.slow
   def test_deterministic_per_key_and_different_per_step(self):
     qm, v = self._model()
     grad = jax.jit(jax.grad(lambda p, k: (qm.apply({"params": p}, X, rngs={"quant": k}) ** 2).sum()))

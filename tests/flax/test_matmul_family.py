@@ -204,6 +204,7 @@ class TestLinen:
         v = qm.init(jax.random.key(0), X)
       np.testing.assert_array_equal(qm.apply(v, X), LinenModel(form).apply(v, X))
 
+  @pytest.mark.slow
   def test_freeze_runs_the_frozen_weight_bit_for_bit(self):
     p = _provider(weight_qtype="int8", act_qtype="int8", implementation="xla")
     qm = qtrain.quantize_model(LinenModel("dot"), p)

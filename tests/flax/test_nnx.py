@@ -33,6 +33,7 @@ def _cfg(*, a="int8", g=None, sr=None):
 
 class TestLayers:
 
+  @pytest.mark.slow
   def test_linear_is_core_dot_general_qt(self):
     m = qtrain.quantize_model(nnx.Linear(32, 16, rngs=nnx.Rngs(0)), _rules(**W8A8))
     assert isinstance(m.dot_general, qtrain.QtOp)
@@ -126,6 +127,7 @@ class TestLayers:
       np.testing.assert_allclose(y, ops.dot_general_qt(X, w[...], DN, _cfg()), rtol=1e-6,
                                  atol=1e-6)
 
+  @pytest.mark.slow
   def test_rule_without_qtype_and_op_names(self):
     class Two(nnx.Module):
       def __init__(self, rngs):

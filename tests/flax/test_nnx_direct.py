@@ -84,6 +84,7 @@ class TestSameAsLayers:
         ("", "einsum0", "quantized", "rhs"), ("", "dot_general0", "quantized", "rhs"),
         ("", "dot_general1", "quantized", "rhs")}
 
+  @pytest.mark.slow
   def test_the_variable_itself_as_operand_equals_its_value(self):
     # jnp / lax accept an nnx Variable (its __jax_array__); the weight is found by identity and
     # the op must get the array (the Variable reached the op and its type check failed).
@@ -116,6 +117,7 @@ class TestSameAsLayers:
     graphdef, state = nnx.split(d)
     np.testing.assert_array_equal(nnx.merge(graphdef, state)(X), d(X))
 
+  @pytest.mark.slow
   def test_weight_first_einsum(self):
     class WeightFirst(nnx.Module):
       def __init__(self, rngs):

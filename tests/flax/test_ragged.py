@@ -189,6 +189,7 @@ class TestLinen:
       qtrain.quantize_model(LinenNet(), _provider(
           weight_qtype="int8", tile_size=24, op_names=("ragged_dot",))).init(jax.random.key(0), x)
 
+  @pytest.mark.slow
   def test_freeze_raises_naming_the_op(self):
     x, _ = _data(16)
     p = _provider(weight_qtype="int8", op_names=("ragged_dot",))
@@ -199,6 +200,7 @@ class TestLinen:
                        r"\('ragged_dot',\)"):
       freeze.freeze(variables, p)
 
+  @pytest.mark.slow
   def test_no_weight_operand_stays_float_with_a_warning(self):
     class TwoActs(nn.Module):
       @nn.compact
@@ -272,6 +274,7 @@ class TestNnx:
       freeze.freeze(model)
 
 
+  @pytest.mark.slow
   def test_a_ragged_dot_rule_without_sample_inputs_warns(self):
     # quantize_model cannot see a user module's direct calls without a sample forward: a rule
     # for ragged_dot alone must warn as one for the other ops does (such a call raises later).

@@ -171,6 +171,7 @@ class TestUserModules:
     with pytest.raises(ValueError, match=r"rules\[0\].*'blocks' \(Hooked\).*pass sample inputs"):
       qtrain.quantize_model(Net(Hooked), _provider(**SR), rngs=nnx.Rngs(quant=0))
 
+  @pytest.mark.slow
   def test_weight_that_is_no_parameter_is_a_clear_error(self):
     with pytest.raises(ValueError, match=r"'blocks' \(Hooked\).*weight operand of shape"):
       qtrain.quantize_model(Net(lambda r: Hooked(r, sliced=True)), _provider(**SR), X,

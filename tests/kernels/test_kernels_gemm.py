@@ -160,6 +160,7 @@ def test_plan_gemm_refuses_what_it_cannot_take():
     _plan_gemm(x, w, DN, jnp.float32, min_m=257)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks dispatch off a GPU (GPU dispatch: the tests below)")
 def test_dispatch_off_hopper():
   x, w = _int8_qarrays(256, 384, 512)

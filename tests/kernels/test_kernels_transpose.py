@@ -16,6 +16,7 @@ def _int8(shape, seed):
   return jax.random.randint(jax.random.key(seed), shape, -128, 128, jnp.int32).astype(jnp.int8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,perm", [
     ((128, 64), (1, 0)),
     ((2, 64, 192), (0, 2, 1)),
@@ -54,6 +55,7 @@ def test_split_perm():
   assert tp.split_perm((1, 0, 2)) is None
 
 
+@pytest.mark.slow
 def test_transpose_rejects_a_bad_perm():
   with pytest.raises(ValueError, match=r"perm=\(0, 0\) is not a permutation"):
     tp.transpose(_int8((64, 64), 0), (0, 0))

@@ -185,6 +185,7 @@ def _lax_conv(x, w, case):
                                       precision=HIGHEST)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_vs_float64(case):
   layout, xs, ws, strides, padding, dil, groups, lq, rq = CASES[case]
@@ -232,6 +233,7 @@ GRAD_CASES = ["nhwc_same_int8", "nchw_stride2_explicit_int8", "nhwc_groups2_bina
               "nhwc_dilated_valid_fp8", "nchw_groups2_int4w_a8", "nhwc_w8_a16"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", GRAD_CASES)
 def test_float_backward_matches_fake_quant_ste_reference(case):
   layout, xs, ws, *_, lq, rq = CASES[case]

@@ -243,6 +243,7 @@ def test_empty_operands_give_zeros_for_every_implementation(impl, case, lhs_kind
   assert "pallas_call" not in prims and "dot_general" not in prims, prims
 
 
+@pytest.mark.slow
 def test_empty_lhs_with_a_prepared_weight_gives_zeros():
   w = _quant(W.T, "int8", (0,))  # (N, K)
   pw = prepared.prepare_weight(w.qvalue, "int8", scale=w.scale[:, 0])

@@ -195,6 +195,7 @@ FWD_CASES = ([(n, "mk,kn") for n in CONFIGS] + [(n, "bmk,bnk") for n in CONFIGS]
              [(n, l) for n in _MAIN for l in ("bmk,kn", "mab,abn")])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,layout", FWD_CASES)
 def test_forward_vs_float64(name, layout):
   dn, ls, rs = LAYOUTS[layout]
@@ -264,6 +265,7 @@ def test_nan_in_one_row_stays_in_that_row():
   assert np.all(np.isnan(out[3])) and np.all(np.isfinite(np.delete(out, 3, 0)))
 
 
+@pytest.mark.slow
 def test_binary_all_zero_row_gives_zero_output_and_passes_gradient():
   # An all-zero activation row (e.g. padding) is binarized with scale 0: its
   # output row is exactly 0 (not +1 * 1 . w_hat), and clipped_ste lets the
@@ -768,6 +770,7 @@ def test_learned_lhs_scale_gets_lsq_gradient(qtype, scale_shape):
   np.testing.assert_allclose(np.asarray(gx), g_x, rtol=1e-4, atol=1e-5 * np.abs(g_x).max())
 
 
+@pytest.mark.slow
 def test_learned_binary_activation_scale_gets_bitorch_gradient():
   dn, ls, rs = LAYOUTS["mk,kn"]
   lq = OQ(qtype="binary", estimator="clipped_ste", scale_grad="bitorch")
@@ -1119,6 +1122,7 @@ def test_bad_dimension_numbers_raise_naming_the_axes(dn, ls, rs, msg):
     qdot_lib.normalize_dimension_numbers(dn, len(ls), len(rs), lhs_shape=ls, rhs_shape=rs)
 
 
+@pytest.mark.slow
 def test_fold_exponent_matches_its_definition_on_float32_edges():
   """dot_general_qt._fold_exponent reads both ends of each group from one integer reduction of
   the float32 bits: compare with the definition (one above the exponent of the largest finite

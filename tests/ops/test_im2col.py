@@ -60,6 +60,7 @@ def test_patches_times_kernel_matrix_is_the_convolution(g, channel_major):
   np.testing.assert_array_equal(im2col.output_layout(im2col.product_layout(ref, geo), geo), ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("g", [0, 1, 4])
 def test_channel_major_order_is_lax_patches(g):
   xs, ws, layout = GEOMS[g][:3]

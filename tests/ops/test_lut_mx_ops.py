@@ -54,6 +54,7 @@ def test_dot_general_qt_is_the_product_of_the_dequantized_operands(name, act):
   assert rel < {"nf4": 0.15, "mxfp8": 0.05, "mxfp4": 0.2}[name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NEW)
 def test_gpu_backends_decline_with_a_reason(name):
   w = qarray.quantize(_x((128, 16), 1), qarray.QuantizeSpec(
@@ -167,6 +168,7 @@ def test_freeze_predicts_the_qt_forward(name, lora_rank):
                for a in jax.tree.leaves(g))
 
 
+@pytest.mark.slow
 def test_mxfp8_weights_do_not_freeze():
   prov = qtrain.QtProvider([qtrain.QtRule(module_path=".*", weight_qtype="mxfp8")])
   qm = qtrain.quantize_model(MLP(), prov)

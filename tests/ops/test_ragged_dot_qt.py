@@ -175,6 +175,7 @@ def test_nf4_and_mx_run_and_stay_close():
     assert 0 < rel < tol, (qt, rel)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes", [(0, 0, 0), (9, 0, 0), (0, 0, 9), (3, 3, 3), (2, 0, 4)])
 def test_group_edge_cases(sizes):
   """All rows in one group, empty groups (first, last, all), rows past the groups."""
@@ -227,6 +228,7 @@ def test_empty_operands():
     assert not np.any(np.asarray(dx)) and not np.any(np.asarray(dw))
 
 
+@pytest.mark.slow
 def test_bf16_inputs():
   """bf16 in, bf16 out, bf16 gradients; the numbers those of the float32 op to bf16 rounding."""
   x, w, ct = _data(seed=7)
@@ -318,6 +320,7 @@ def test_jaxpr_w8a8_int8_backward_is_three_int8_ragged_products():
   assert modes == [(), (0,), (0,)]          # drhs: a ragged contraction (no rhs group axis)
 
 
+@pytest.mark.slow
 def test_learned_act_scale_gets_a_gradient():
   x, w, ct = _data(seed=10)
   sizes = jnp.array(SIZES, jnp.int32)

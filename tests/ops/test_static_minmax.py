@@ -75,6 +75,7 @@ def test_given_zero_point_dot_and_conv():
   np.testing.assert_allclose(yc, refc, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_given_zero_point_gradients():
   r = np.random.default_rng(2)
   x = jnp.asarray(r.uniform(-0.5, 3.0, (8, 16)).astype(np.float32))
@@ -157,6 +158,7 @@ def test_rule_static_minmax_validation():
     qtrain.QtRule(act_qtype="int8", act_learnable_scale=True, act_calibration_method="minmax")
 
 
+@pytest.mark.slow
 def test_freeze_of_a_static_minmax_scale_raises_naming_the_layer():
   # A frozen op takes no zero point: freezing must say so, not report missing state.
   from qtrain import freeze

@@ -95,6 +95,7 @@ def test_2d_scale_shapes_and_per_channel_differs():
   assert not np.allclose(y2d, y1d, rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow
 def test_fraction_equals_int_tile():
   x, w = _data(2)
   a = dot_general_qt(jnp.asarray(x), jnp.asarray(w), DN, _cfg(0.25, 0.25))
@@ -102,6 +103,7 @@ def test_fraction_equals_int_tile():
   np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_per_axis_tile_stays_on_int8_path(monkeypatch):
   """2-D weight blocks factor out of the contraction along N: the product stays int8 x int8."""
   from qtrain.core import qdot
