@@ -90,10 +90,10 @@ class MosaicBackend:
       out = _sharded.gemm(_gemm_on_shard, plan.a, plan.b, plan.a_scale, plan.b_scale,
                           out_dtype=plan.out_dtype)
       return out.reshape(plan.out_shape)
-    if plan.config is None:
-      out = _mosaic.mosaic_matmul(plan.x, plan.w, x_scale=plan.x_scale, out_dtype=plan.out_dtype)
-    else:
-      out = _mosaic._matmul(plan.x, plan.w, plan.x_scale, plan.out_dtype, plan.config)
+    # One kernel call per shard as for the GEMM (qtrain.kernels.sharded.weight_matmul: M, and
+    # N in whole N_ALIGN blocks of an unpadded weight, keep their sharding).
+    out = _sharded.weight_matmul(_matmul_on_shard, plan.x, plan.w, x_scale=plan.x_scale,
+                                 out_dtype=plan.out_dtype, checked=plan.config is not None)
     return out.reshape(plan.out_shape)
 
   def auto_plan(self, call: DotCall) -> GemmPlan | MatmulPlan | None:
@@ -130,6 +130,17 @@ def _gemm_on_shard(a, b, sa, sb, *, out_dtype) -> jax.Array:
   except _mosaic.UnsupportedCall:
     return _gemm.mosaic_gemm_reference(a, b, a_scale=sa, b_scale=sb, out_dtype=out_dtype)
   return _gemm._gemm(a, b, sa, sb, out_dtype, cfg)
+
+
+def _matmul_on_shard(x, w, *, x_scale, out_dtype, checked: bool) -> jax.Array:
+  """The small-M kernel on the rows / columns it gets (the whole product on one device, one
+  shard's under ``jax.jit`` with sharded operands). ``checked`` ("auto"): the plan's config
+  was checked for the whole product, and each shard runs the default config for its own
+  shapes (on one device: that config); otherwise (forced) :func:`mosaic_matmul` checks the
+  call and raises what it cannot run, by name."""
+  if not checked:
+    return _mosaic.mosaic_matmul(x, w, x_scale=x_scale, out_dtype=out_dtype)
+  return _mosaic._matmul(x, w, x_scale, out_dtype, _mosaic.checked_config(x, w))
 
 
 def weight_qarray(w: _mosaic.MosaicWeight) -> qarray.QArray:

@@ -29,6 +29,7 @@ from qtrain.kernels import _qmatmul
 from qtrain.kernels import binary_matmul as _binary
 from qtrain.kernels import int8_matmul as _int8
 from qtrain.kernels import nbit_matmul as _nbit
+from qtrain.kernels import sharded as _sharded
 from qtrain.kernels.prepared import PreparedWeight, prepare_binary_activations, prepare_weight
 from qtrain.ops.backends import _base
 from qtrain.ops.backends._base import DotCall, Unsupported
@@ -122,13 +123,11 @@ class TritonBackend:
                    call.out_dtype)
 
   def run(self, plan: TritonPlan) -> jax.Array:
-    kw = dict(x_scale=plan.lhs_scale, out_dtype=plan.out_dtype, interpret=self.interpret)
-    if plan.kernel == "binary":
-      out = _binary.binary_matmul(plan.lhs, plan.rhs, **kw)
-    elif plan.kernel == "int8":
-      out = _int8.int8_matmul(plan.lhs, plan.rhs, **kw)
-    else:
-      out = _nbit.nbit_matmul(plan.lhs, plan.rhs, **kw)
+    # One kernel call per shard under jit with sharded operands (qtrain.kernels.sharded:
+    # M and a cleanly splitting N keep their sharding); on one device, the kernel as it is.
+    out = _sharded.weight_matmul(_on_shard, plan.lhs, plan.rhs, x_scale=plan.lhs_scale,
+                                 out_dtype=plan.out_dtype, kernel=plan.kernel,
+                                 interpret=self.interpret)
     return out.reshape(plan.out_shape)
 
   def auto_plan(self, call: DotCall) -> TritonPlan | None:
@@ -143,6 +142,15 @@ class TritonBackend:
     except Unsupported:
       return None
     return plan if auto_prefers(plan) else None
+
+
+_KERNELS = {"binary": _binary.binary_matmul, "int8": _int8.int8_matmul, "nbit": _nbit.nbit_matmul}
+
+
+def _on_shard(x, w: PreparedWeight, *, x_scale, out_dtype, kernel: str, interpret: bool):
+  """The plan's kernel on the rows / columns it is given: the whole product on one device, one
+  shard's under ``jax.jit`` with sharded operands (:func:`qtrain.kernels.sharded.weight_matmul`)."""
+  return _KERNELS[kernel](x, w, x_scale=x_scale, out_dtype=out_dtype, interpret=interpret)
 
 
 def auto_prefers(plan: TritonPlan) -> bool:
