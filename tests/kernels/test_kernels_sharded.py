@@ -6,7 +6,11 @@ kernel. A Pallas call the partitioner knows nothing about runs on replicated ope
 device gathers the global batch); the wrappers say what each shard computes. These check that each shard computes its own block: M and N sharded give one device's numbers with
 no collective at all, a sharded K gives one all-reduce of the partial products (no all-gather
 of the operands) within float32 rounding of the exact product, and vmap, shard_map and one
-device run the kernel function as it is.
+device run the kernel function as it is. The weight-times-activation products
+(``tests/kernels/_sharded_weight_run.py``) run the Triton kernels for real in the Pallas
+interpreter through the dispatch, and the Mosaic weight layout with a stand-in kernel: each
+shard's kernel is lowered for its block (M, and N where the packed layout splits), with no
+collective, one device's numbers, and the weight gathered where N cannot split.
 """
 
 from __future__ import annotations
