@@ -480,9 +480,15 @@ which XLA flushes to zero (CPU and GPU); scales are float32 here."""
 E8M0_MAX_EXP = 127
 
 
-def e8m0_scale(bound: jax.Array, qt: qtypes.QType) -> jax.Array:
+def e8m0_scale(bound: jax.Array, qt: qtypes.QType, *, stochastic: bool = False) -> jax.Array:
   """The MX scale of a block with ``bound`` (its absmax): the largest power of two ``2**k``
   with ``bound / 2**k >= h`` (``h`` = 232 for e4m3, 3.5 for e2m1; k in [-126, 127]).
+
+  ``stochastic`` (the block is rounded stochastically): ``h`` is half the top element (224,
+  3), so ``bound / 2**k`` lies in [h, 2h) below the top and every value has a grid neighbour
+  on each side: no value clips, and the rounding stays unbiased (with the edge above, a
+  block's largest value in (448, 464) or (6, 7) would clip to the top, biased by up to 3%
+  or 14%).
 
   So ``bound / 2**k`` lies in [h, 2h): the block's largest value lands between the element
   grid's top value and the midpoint above it (464 for e4m3, 7 for e2m1), where it rounds to
@@ -495,7 +501,7 @@ def e8m0_scale(bound: jax.Array, qt: qtypes.QType) -> jax.Array:
   scale except for blocks whose ``bound / 2**k`` falls in [462.9, 464)). Computed exactly from
   the float32 exponent and mantissa of ``bound`` (no log2 rounding at the edges).
   """
-  h = _e8m0_edge(qt)
+  h = float(qt.qmax) / 2 if stochastic else _e8m0_edge(qt)
   hm, he = np.frexp(h)  # h = hm * 2**he, hm in [0.5, 1)
   m, e = jnp.frexp(jnp.minimum(bound, _F32_MAX))
   k = e - int(he) - jnp.where(m >= float(hm), 0, 1)
@@ -511,10 +517,13 @@ def pass_limit(qt: qtypes.QType) -> float:
   return 2.0 * _e8m0_edge(qt) if qt.is_mx else float(qt.qmax)
 
 
-def _scale_from_bound(bound: jax.Array, multiplier: float, qt: qtypes.QType, codes: float):
-  """The float32 scale (:func:`_bound_scale`) or, for MX qtypes, the e8m0 one."""
+def _scale_from_bound(bound: jax.Array, multiplier: float, qt: qtypes.QType, codes: float,
+                      stochastic: bool = False):
+  """The float32 scale (:func:`_bound_scale`) or, for MX qtypes, the e8m0 one (``stochastic``:
+  see :func:`e8m0_scale`)."""
   if qt.is_mx:
-    return e8m0_scale(bound if multiplier == 1.0 else bound * multiplier, qt)
+    return e8m0_scale(bound if multiplier == 1.0 else bound * multiplier, qt,
+                      stochastic=stochastic)
   return _bound_scale(bound, multiplier, qt.qmax, codes)
 
 
@@ -579,8 +588,10 @@ def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | 
     return _calibrate_minmax(lo, hi, qt, cal.multiplier, out_shape)
   ax = jnp.abs(xs)
   codes = _symmetric_codes(qt, cal)
+  sr = spec.stochastic_rounding is not None  # MX: a scale below which nothing clips
   if cal.method == "fixed":
-    s = jnp.full(out_shape, _scale_from_bound(jnp.float32(cal.bound), cal.multiplier, qt, codes),
+    s = jnp.full(out_shape,
+                 _scale_from_bound(jnp.float32(cal.bound), cal.multiplier, qt, codes, sr),
                  jnp.float32)
     if qt.kind == "binary":  # no zero code: an all-zero group gets scale 0, so it stays zero
       s = jnp.where(gmax(ax) == 0, 0.0, s.reshape(gmax(ax).shape)).reshape(out_shape)
@@ -611,7 +622,7 @@ def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | 
     zero = m == 0
     finite = jnp.isfinite(m)
   zero_scale = 0.0 if qt.kind == "binary" else 1.0
-  scale = jnp.where(zero, zero_scale, _scale_from_bound(bound, cal.multiplier, qt, codes))
+  scale = jnp.where(zero, zero_scale, _scale_from_bound(bound, cal.multiplier, qt, codes, sr))
   return jnp.where(finite, scale, jnp.nan).reshape(out_shape), None
 
 
