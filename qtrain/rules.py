@@ -132,7 +132,8 @@ class QtRule:
 
   Backward:
     bwd_qtype: qtype of the incoming gradient in both backward products
-      (int2..int8 or fp8), or None for a float backward.
+      (int2..int8, fp8, or mxfp8 / mxfp4: blocks of 32 along each product's
+      contraction), or None for a float backward.
     bwd_weight_grad_tile_size, bwd_act_grad_tile_size: group-wise scales of
       the incoming gradient in the product giving the weight's gradient
       (which contracts the tokens: the tile runs along the last token axis)
@@ -309,6 +310,15 @@ class QtRule:
         if not channelwise:
           errors.append(f"{qname}={qt.name!r} with a per-tensor granularity: an MX block is "
                         f"{qt.block_size} values of one row (per_channel / per_token)")
+      bq = None if self.bwd_qtype is None else qtypes.get_qtype(self.bwd_qtype)
+      for tile, names in (("bwd_weight_grad_tile_size", "bwd_weight_grad_axis_names"),
+                          ("bwd_act_grad_tile_size", "bwd_act_grad_axis_names")):
+        try:
+          if bq is not None:
+            cfg_lib.check_mx_grad(bq, getattr(self, tile), getattr(self, names), "QtRule",
+                                  (tile, names))
+        except ValueError as e:
+          errors.append(str(e).replace("QtRule.", "", 1))
     # Estimators.
     for name in ("weight_estimator", "act_estimator"):
       if getattr(self, name) not in estimators.ESTIMATORS:

@@ -191,17 +191,20 @@ VALID_QTYPES: tuple[str, ...] = tuple(_REGISTRY)
 QTypeLike = "str | jnp.dtype | type | QType"
 
 GRADIENT_QTYPES: tuple[str, ...] = tuple(
-    n for n, q in _REGISTRY.items() if q.kind in ("int", "float") and not q.is_mx)
-"""The qtypes an incoming gradient may take: int2..int8 and fp8. Binary and ternary have no
-small values; nf4 and the MX qtypes are weight / activation formats here (qwix rounds them to
-nearest only, and the backward's scale folding assumes free float32 scales)."""
+    n for n, q in _REGISTRY.items() if q.kind in ("int", "float") or q.is_mx)
+"""The qtypes an incoming gradient may take: int2..int8, fp8 and the MX formats (mxfp8,
+mxfp4: blocks of 32 along each backward product's contraction). Binary and ternary have no
+small values; nf4's 16 values are quantiles of a normal weight distribution, a weight format
+here."""
 
 
 def check_gradient_qtype(qt: QType, field: str) -> None:
   """Raises a ValueError naming ``field`` and :data:`GRADIENT_QTYPES` unless ``qt`` is one."""
   if qt.name not in GRADIENT_QTYPES:
-    raise ValueError(f"{field}={qt.name!r}: gradients need int2..int8 or fp8, one of "
-                     f"{list(GRADIENT_QTYPES)}")
+    why = {"nf4": " (nf4 is a weight format: its 16 values are quantiles of a normal weight "
+                  "distribution, not of gradients)"}.get(qt.name, "")
+    raise ValueError(f"{field}={qt.name!r}: gradients need int2..int8 or fp8 (or MX: mxfp8, "
+                     f"mxfp4), one of {list(GRADIENT_QTYPES)}{why}")
 
 
 def check_tile_size(qt: QType, tile_size: object, field: str = "tile_size") -> None:

@@ -211,10 +211,13 @@ class GradQuant:
   """Quantization of the incoming gradient for one backward product.
 
   Attributes:
-    qtype: qtype name or dtype (int8 and fp8 are the useful ones).
+    qtype: qtype name or dtype: int2..int8, fp8, or MX (``mxfp8``, ``mxfp4``: e4m3 / e2m1
+      values with one e8m0 scale per block of 32 values along this product's contraction;
+      a contraction that is not a multiple of 32 ends in a shorter block).
     calibration: method for the gradient's scale (symmetric only).
     stochastic_rounding: ``None`` or one of :data:`qtrain.core.rounding.STOCHASTIC_METHODS`;
-      works for integer and fp8 qtypes alike.
+      works for integer, fp8 and MX qtypes alike (the upper of the two neighbouring grid
+      values with probability proportional to the distance: unbiased).
     axis_names: inside ``jax.shard_map``, the mesh axes that split this product's contraction
       (data parallelism: the batch, in the weight gradient's product): the gradient's scales,
       and the power of two the residual's scale is folded with, are then those of the whole
@@ -226,7 +229,8 @@ class GradQuant:
       batch / token axis; in the input gradient's, the last output feature axis), a float in
       (0, 1] (a fraction of that axis), or per-axis tiles ``{axis: tile}`` in the gradient's
       own axes (the op's output axes). A contracting axis not tiled is one group; the other
-      axes keep one scale per index. None (default): per channel.
+      axes keep one scale per index. None (default): per channel. MX qtypes: None or 32
+      (their block).
   """
 
   qtype: object
@@ -246,6 +250,25 @@ class GradQuant:
     rounding.check_stochastic_method(self.stochastic_rounding)
     object.__setattr__(self, "axis_names", qarray.shared_axis_names(
         self.axis_names, self.calibration, "GradQuant.axis_names"))
+    check_mx_grad(self.qtype, self.tile_size, self.axis_names, "GradQuant")  # type: ignore[arg-type]
+
+
+def check_mx_grad(qt: qtypes.QType, tile_size, axis_names, where: str,
+                  fields: tuple[str, str] = ("tile_size", "axis_names")) -> None:
+  """An MX gradient's block is the format's (32 values along the product's contraction): a
+  ``tile_size`` other than None / 32 raises, and so do ``axis_names`` (each block lies in one
+  shard: there is no scale to share across shards)."""
+  if not qt.is_mx:
+    return
+  if is_per_axis(tile_size):
+    raise ValueError(f"{where}.{fields[0]}={dict(tile_size)!r} with qtype {qt.name!r}: an MX "
+                     f"block is {qt.block_size} values along the product's contraction, not "
+                     f"per-axis tiles; valid: None or {qt.block_size}")
+  qtypes.check_tile_size(qt, tile_size, f"{where}.{fields[0]}")
+  if axis_names:
+    raise ValueError(f"{where}.{fields[1]}={axis_names!r} with qtype {qt.name!r}: an "
+                     f"MX block ({qt.block_size} consecutive values) lies inside one shard, so "
+                     "its scale is the same per shard as on one device; valid: ()")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

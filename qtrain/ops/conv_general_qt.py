@@ -204,6 +204,9 @@ def _forward(lhs, rhs, lhs_scale, rhs_scale, p, config, out_dtype):
 def _fake_grad(g, gq, key, channel_axes):
   if gq is None:
     return g.astype(jnp.float32)
+  if gq.qtype.is_mx:  # blocks of 32 along the other axes, flattened (the product's contraction)
+    v = dqt.quantize_mx_grad(g, gq, [a for a in range(g.ndim) if a not in channel_axes], key)
+    return v.dequantize(jnp.float32) if qdot.is_quantized(v) else v
   return dqt.quantize_grad(g, gq, channel_axes, key).dequantize(jnp.float32)
 
 

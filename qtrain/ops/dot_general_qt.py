@@ -50,7 +50,7 @@ from qtrain.ops import config as cfg_lib
 from qtrain.ops import dispatch
 from qtrain.ops.qt_operand import (as_key, as_scale, check_given_scale, check_operands,
                                    compute_dtype, finish_operand_grad, operand_axes,
-                                   quantize_grad, quantize_operand, split_key,
+                                   quantize_grad, quantize_mx_grad, quantize_operand, split_key,
                                    typed_like_operands)
 
 
@@ -195,8 +195,13 @@ def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, k
       folded = _fold_scale(g, y_res, dims, swap_ans, x_kept, gq.axis_names)
       if folded is not None:
         g_in, y_in = folded
-    g_in = quantize_grad(g_in, gq, g_free, key, dims[0][0])
+    if gq.qtype.is_mx:  # blocks of 32 along this product's contraction
+      g_in = quantize_mx_grad(g_in, gq, dims[0][0], key)
+    else:
+      g_in = quantize_grad(g_in, gq, g_free, key, dims[0][0])
   ctype = compute_dtype(g.dtype, y_dtype if y_dtype is not None else jnp.float32)
+  if gq is not None and not qdot.is_quantized(g_in):  # MX values, dequantized: exact in float32
+    ctype = jnp.float32
   r = dispatch.quantized_dot_general(g_in, y_in, dims, preferred_element_type=out_dtype,
                                      implementation=implementation, compute_dtype=ctype)
   return jnp.transpose(r, perm).reshape(x_shape)
@@ -439,7 +444,7 @@ def dot_general_qt(
   for name, gq in (("dlhs_grad", config.dlhs_grad), ("drhs_grad", config.drhs_grad)):
     if gq is not None and cfg_lib.is_per_axis(gq.tile_size):
       cfg_lib.resolve_axis_tiles(gq.tile_size, out_shape, f"config.{name}.tile_size")
-    elif gq is not None and gq.tile_size is not None:
+    elif gq is not None and gq.tile_size is not None and not gq.qtype.is_mx:
       # The product's last contracting axis of g: rhs's last free axis (dlhs), lhs's (drhs).
       nb = len(dn[1][0])
       nl = len(qdot.free_axes(jnp.ndim(lhs), dn[0][0], dn[1][0]))

@@ -35,10 +35,12 @@ and the dtype policy both ops follow (:func:`check_operands`,
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qtrain.core import _lax
 from qtrain.core import estimators
@@ -221,6 +223,33 @@ def quantize_grad(g, gq: cfg_lib.GradQuant, channel_axes, key, contract_axes=())
                          calibration=gq.calibration, stochastic_rounding=gq.stochastic_rounding,
                          axis_names=gq.axis_names)
   return qa.quantize(g, spec, key=key)
+
+
+def quantize_mx_grad(g, gq: cfg_lib.GradQuant, contract_axes, key):
+  """An MX gradient (``gq.qtype`` mxfp8 / mxfp4): one e8m0 scale per block of 32 values along
+  the product's contraction, ``contract_axes`` of ``g`` flattened in ``g``'s axis order: each
+  block is 32 consecutive values of that flattened contraction, at one index of the other axes;
+  a contraction that is not a multiple of 32 ends in a shorter block (zeros pad it).
+
+  Returns a QArray (tiled along the last contracting axis, channelwise along every other) where
+  that axis is a multiple of 32, else the dequantized float32 values of the same blocks.
+  """
+  qt, block = gq.qtype, gq.qtype.block_size
+  nd, shape = g.ndim, tuple(g.shape)
+  ca = sorted(a % nd for a in contract_axes)
+  spec = lambda cw, t: qa.QuantizeSpec(qtype=qt, channelwise_axes=cw, tiled_axes={t: block},
+                                       calibration=gq.calibration,
+                                       stochastic_rounding=gq.stochastic_rounding)
+  if ca and shape[ca[-1]] % block == 0:
+    return qa.quantize(g, spec(tuple(a for a in range(nd) if a != ca[-1]), ca[-1]), key=key)
+  rest = [a for a in range(nd) if a not in ca]
+  perm = rest + ca
+  k = math.prod(shape[a] for a in ca)
+  t = jnp.transpose(g, perm).reshape(tuple(shape[a] for a in rest) + (k,))
+  t = jnp.pad(t, [(0, 0)] * len(rest) + [(0, -k % block)])
+  v = qa.quantize(t, spec(tuple(range(len(rest))), len(rest)), key=key).dequantize(jnp.float32)
+  v = v[..., :k].reshape(tuple(shape[a] for a in perm))
+  return jnp.transpose(v, tuple(int(i) for i in np.argsort(perm)))
 
 
 varying_axes = _lax.varying_axes

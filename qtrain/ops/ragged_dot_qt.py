@@ -381,6 +381,10 @@ def _check(lhs, rhs, group_sizes, config, group_offset):
                      f"(shape {tuple(rs)})")
   for name in ("dlhs_grad", "drhs_grad"):
     gq = getattr(config, name)
+    if gq is not None and gq.qtype.is_mx:
+      raise ValueError(f"config.{name}.qtype={gq.qtype.name!r}: ragged_dot_qt quantizes the "
+                       "gradient per row / per column, not in MX blocks; valid: int2..int8 or "
+                       "fp8 (MX gradients: dot_general_qt, conv_general_qt)")
     if gq is not None and getattr(gq, "tile_size", None) is not None:
       raise ValueError(f"config.{name}.tile_size={gq.tile_size!r}: ragged_dot_qt quantizes the "
                        "gradient per row (dlhs) or per output column (drhs); valid: None")

@@ -118,7 +118,7 @@ def test_value_tables():
     qt = qtypes.get_qtype(name)
     assert (qt.qmin, qt.qmax, qt.block_size, qt.bits) == (lo, hi, block, 8 if name == "mxfp8" else 4)
     assert qt.is_mx is (name != "nf4") and qt.is_lut is (name != "mxfp8")
-    assert not qt.is_integer_like and qt.name not in qtypes.GRADIENT_QTYPES
+    assert not qt.is_integer_like and (qt.name in qtypes.GRADIENT_QTYPES) is qt.is_mx
 
 
 @pytest.mark.parametrize("name", ["nf4", "mxfp4"])
@@ -290,10 +290,12 @@ def test_unknown_qtype_lists_the_new_ones():
     assert repr(n) in str(e.value)
 
 
-def test_gradient_qtypes_refuse_the_new_ones():
-  for n in NEW:
-    with pytest.raises(ValueError, match=f"bwd_qtype='{n}': gradients need int2..int8 or fp8"):
-      qtypes.check_gradient_qtype(qtypes.get_qtype(n), "bwd_qtype")
+def test_gradient_qtypes_take_mx_and_refuse_nf4():
+  for n in ("mxfp8", "mxfp4"):
+    qtypes.check_gradient_qtype(qtypes.get_qtype(n), "bwd_qtype")
+  with pytest.raises(ValueError, match=r"bwd_qtype='nf4': gradients need int2..int8 or fp8 "
+                                       r"\(or MX: mxfp8, mxfp4\).*nf4 is a weight format"):
+    qtypes.check_gradient_qtype(qtypes.get_qtype("nf4"), "bwd_qtype")
 
 
 @pytest.mark.parametrize("name", ["nf4", "mxfp4"])

@@ -90,8 +90,9 @@ def test_rules_default_blocks_and_errors():
     qtrain.QtRule(weight_qtype="mxfp4", tile_size=64)
   with pytest.raises(ValueError, match="per-tensor granularity"):
     qtrain.QtRule(act_qtype="mxfp8", act_granularity="per_tensor")
-  with pytest.raises(ValueError, match="bwd_qtype='mxfp8': gradients need"):
-    qtrain.QtRule(bwd_qtype="mxfp8")
+  assert qtrain.QtRule(bwd_qtype="mxfp8").bwd_qtype == "mxfp8"  # MX gradients: test_mx_gradients
+  with pytest.raises(ValueError, match="bwd_qtype='nf4': gradients need"):
+    qtrain.QtRule(bwd_qtype="nf4")
 
 
 def test_qwix_names_round_trip():
