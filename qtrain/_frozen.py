@@ -88,7 +88,9 @@ class FrozenLayer:
   Attributes:
     words: packed weight codes, uint32 ``(N, ceil(K / values_per_word))``
       (``(B, N, ...)`` for a weight with batch axes); int8 weights are packed
-      too (4 a word).
+      too (4 a word). fp8 and mxfp8 weights: their fp8 codes' bytes, uint8
+      ``(N, K)`` (:func:`store_codes`; uint8, not the fp8 dtype, so every
+      serializer keeps them).
     w_scale: ``(N,)`` per-output-channel or ``(N, G)`` group-wise float32
       weight scale (a per-tensor scale is stored broadcast to ``(N,)``).
     w_zero: None, or like ``w_scale``: the zero point, ``w ~ (q - z) * s``.
@@ -156,8 +158,9 @@ class FrozenLayer:
     return None if self.act is None else dict(self.act)
 
   def weight_codes(self) -> jax.Array:
-    """The int8 weight codes, ``(N, K)`` (``(B, N, K)`` with batch axes)."""
-    return packing.unpack(self.words, self.w_qtype, size=self.k, axis=-1)
+    """The weight codes, ``(N, K)`` (``(B, N, K)`` with batch axes): int8 values (uint8 codes
+    for nf4 / mxfp4), or the fp8 values themselves for fp8 and mxfp8 weights."""
+    return load_codes(self.words, self.w_qtype, self.k)
 
   def kernel_qarray(self) -> qa.QArray:
     """The weight as the QT op quantized it: a QArray in the weight operand's own layout."""
@@ -243,13 +246,39 @@ def _act_operand(act: dict) -> cfg_lib.OperandQuant:
                               axis_names=tuple(act.get("axis_names", ())))
 
 
+def _freezable(qt: qtypes.QType) -> bool:
+  return qt.packable or qt.is_float
+
+
 def check_packable(w_cfg: cfg_lib.OperandQuant, where: str) -> None:
+  """Raises, naming the layer, for a weight qtype freeze has no storage for (none today:
+  packable qtypes are packed, fp8 ones stored a byte per code)."""
   qt = w_cfg.qtype
-  if not qt.packable:
-    packable = [n for n in qtypes.VALID_QTYPES if qtypes.get_qtype(n).packable]
-    raise ValueError(
-        f"freeze: layer {where!r} has {qt.name} weights, which cannot be frozen: packing is for "
-        f"integer-like qtypes {packable} (fp8 weights stay in the quantized-training model)")
+  if not _freezable(qt):
+    ok = [n for n in qtypes.VALID_QTYPES if _freezable(qtypes.get_qtype(n))]
+    raise ValueError(f"freeze: layer {where!r} has {qt.name} weights, which cannot be frozen "
+                     f"(frozen weights: {ok})")
+
+
+def store_codes(codes: jax.Array, qtype) -> jax.Array:
+  """A weight's codes ``(..., K)`` as :attr:`FrozenLayer.words`: packed along K into uint32
+  words (:mod:`qtrain.core.packing`), or for fp8 / mxfp8 their fp8 bit patterns, one uint8
+  byte per code (no packing: a byte is the code's own width)."""
+  qt = qtypes.get_qtype(qtype)
+  if qt.is_float:
+    return jax.lax.bitcast_convert_type(jnp.asarray(codes).astype(qt.compute_dtype), jnp.uint8)
+  return packing.pack(codes, qt, axis=-1)
+
+
+def load_codes(words: jax.Array, qtype, k: int) -> jax.Array:
+  """Inverse of :func:`store_codes`: the ``k`` codes of each row (fp8 values for fp8 qtypes)."""
+  qt = qtypes.get_qtype(qtype)
+  if not qt.is_float:
+    return packing.unpack(words, qt, size=k, axis=-1)
+  if words.dtype != jnp.uint8 or words.shape[-1] != k:
+    raise ValueError(f"{qt.name} weights are stored as uint8 (..., {k}) code bytes, got "
+                     f"{words.dtype} {tuple(words.shape)}")
+  return jax.lax.bitcast_convert_type(words, qt.compute_dtype)
 
 
 def _channel_axes(ndim, contract, batch):
@@ -304,7 +333,7 @@ def build_dot(kernel, *, contract, batch, w_cfg, where: str, **fields) -> Frozen
     scale = scale[..., 0]
     zero = None if zero is None else zero[..., 0]
   return FrozenLayer(
-      words=packing.pack(codes, w_cfg.qtype, axis=-1), w_scale=scale, w_zero=zero, kind="dot",
+      words=store_codes(codes, w_cfg.qtype), w_scale=scale, w_zero=zero, kind="dot",
       w_qtype=w_cfg.qtype.name, k=int(k), n=int(n), kernel_shape=tuple(int(d) for d in shp),
       group_size=group, layout=(contract, batch), **fields)
 
@@ -320,7 +349,7 @@ def build_conv(kernel, *, rhs_spec, w_cfg, where: str, **fields) -> FrozenLayer:
   codes = jnp.transpose(q.qvalue, rhs_spec).reshape(o, -1)
   per_o = lambda s: jnp.broadcast_to(jnp.transpose(s, rhs_spec).reshape(-1), (o,))
   return FrozenLayer(
-      words=packing.pack(codes, w_cfg.qtype, axis=-1), w_scale=per_o(q.scale),
+      words=store_codes(codes, w_cfg.qtype), w_scale=per_o(q.scale),
       w_zero=None if q.zero_point is None else per_o(q.zero_point), kind="conv",
       w_qtype=w_cfg.qtype.name, k=int(codes.shape[1]), n=int(o),
       kernel_shape=tuple(int(d) for d in w.shape), group_size=None, layout=rhs_spec, **fields)
@@ -512,6 +541,9 @@ def _prepared(layer: FrozenLayer):
 
   if layer.words.ndim != 2:
     raise Unsupported("weights with batch axes")
+  if qtypes.get_qtype(layer.w_qtype).is_float:
+    raise Unsupported(f"{layer.w_qtype} weights have no packed-weight GPU kernel (XLA computes "
+                      "them, fp8 codes times float or fp8 inputs, scales after)")
   try:
     if layer.group_size is not None:
       return prepared.prepare_weight(layer.words, layer.w_qtype, scale=layer.w_scale,
@@ -619,9 +651,11 @@ def _im2col(layer: FrozenLayer, a_val, p):
                    qtype=qtypes.get_qtype("int8")), lead
 
 
-def conv_product(layer: FrozenLayer, a_val, p, out_dtype, implementation: str, where: str):
+def conv_product(layer: FrozenLayer, a_val, p, out_dtype, implementation: str, where: str,
+                 compute_dtype=None):
   """The convolution of the (quantized) input with the frozen kernel (``p``: the op's
-  parameters, as :func:`~qtrain.ops.conv_general_qt.quantized_conv` takes them)."""
+  parameters, as :func:`~qtrain.ops.conv_general_qt.quantized_conv` takes them;
+  ``compute_dtype``: the QT op's, from the input's and the weight's float dtypes)."""
   impl = implementation
   # The input's positions: the im2col product's rows before strides and dilation.
   rows = math.prod(a_val.shape[a] for a in p["dn"].lhs_spec if a != p["dn"].lhs_spec[1])
@@ -638,7 +672,10 @@ def conv_product(layer: FrozenLayer, a_val, p, out_dtype, implementation: str, w
     else:
       out = jnp.moveaxis(out.reshape(lead + (layer.n,)), -1, 1)  # (N, O, out spatial...)
       return jnp.transpose(out, tuple(int(i) for i in np.argsort(p["dn"][2])))
-  return quantized_conv(a_val, layer.kernel_qarray(), p, out_dtype)
+  # The QT forward's call: its implementation ("auto" puts the operands of a float-accumulated
+  # (fp8) product in GEMM layout, which sums in another order than "xla") and compute dtype.
+  return quantized_conv(a_val, layer.kernel_qarray(), p, out_dtype, compute_dtype,
+                        "xla" if impl == "xla" else "auto")
 
 
 # ----------------------------------------------------------------------------
@@ -830,7 +867,8 @@ def _conv_forward(layer: FrozenLayer, lhs, *, p, out_dtype, implementation, wher
   a_val = quantize_act(layer, lhs, contract=(lhs_spec[1],),
                        channel_axes=(lhs_spec[0],) if p["batch_group_count"] == 1 else (),
                        tile_axis=None)
-  return conv_product(layer, a_val, p, out_dtype, implementation, where)
+  return conv_product(layer, a_val, p, out_dtype, implementation, where,
+                      qop.compute_dtype(lhs.dtype, layer.weight_dtype))
 
 
 def einsum(layer: FrozenLayer, subscripts, operands, kwargs, *, weight_operand, implementation,

@@ -7,8 +7,11 @@ codes and scales) and stores it packed as a :class:`FrozenLayer`: codes
 contracting order - packed along K in the :mod:`qtrain.core.packing` layout
 (uint32 words, K-contiguous, LSB first; binary bit 1 = +1), with
 per-output-channel scales ``(N,)`` or group scales / zero points ``(N, G)``.
-Only integer-like weights can be packed (binary, ternary, int2, int4, int8):
-**fp8 weights cannot be frozen**; freeze raises naming the layer.
+Every weight qtype freezes: binary, ternary, int2..int8, nf4 and mxfp4 packed
+into words; fp8 (``float8_e4m3fn``, ``float8_e5m2``) and ``mxfp8`` weights as
+their fp8 codes' bytes, uint8 ``(N, K)`` (one byte a code; uint8 so that any
+serializer keeps them), with the QT op's scales (mxfp8: one e8m0 scale per 32
+values of K). fp8 weights run on XLA (no GPU kernel takes them).
 
 What it freezes, and how the frozen model runs:
 
@@ -46,7 +49,7 @@ What it freezes, and how the frozen model runs:
   the same way (their kernels are ``(K, N)`` / HWIO too); any other module
   at a frozen path raises at inference: freeze such models with the provider.
 
-What cannot be frozen (freeze raises, naming the layer): fp8 weights; layers
+What cannot be frozen (freeze raises, naming the layer): layers
 stacked by ``nn.scan`` / ``nn.vmap`` / ``nnx.scan`` / ``nnx.vmap`` (the op
 sees one slice of the parameter); an op whose weight is computed from a
 parameter (a masked convolution's ``kernel * mask``, an einsum that sums
@@ -61,7 +64,10 @@ parameter itself as its weight (as the QT forward's interception expects).
   op's dimension numbers; convolutions
   :func:`~qtrain.ops.conv_general_qt.quantized_conv`): the same numbers as
   the quantized model's forward (op by op; under ``jax.jit`` XLA may sum a
-  float x dequantized product of either graph in another order);
+  float x dequantized product of either graph in another order; a product
+  of two quantized operands summed in float32, fp8 x fp8, matches a forward
+  that ran with the same implementation name: ``"auto"`` hands XLA GEMM
+  layouts, which sum in another order);
 * ``"auto"``: on a GPU, the Triton kernels on the packed weights where they
   take the layer and the product has at most
   :data:`qtrain._frozen.AUTO_KERNEL_MAX_ROWS` (16) rows, where they were
@@ -76,8 +82,8 @@ parameter itself as its weight (as the QT forward's interception expects).
   ``(M, K)`` in the weight's K order; convolutions as im2col (patches of the
   *quantized* input, so zero padding contributes 0 as in training) + the
   packed matmul. A layer no kernel takes (batch axes in the weight, grouped
-  convolutions, asymmetric or group-scaled inputs, fp8 inputs) raises
-  naming it;
+  convolutions, asymmetric or group-scaled inputs, fp8 inputs, fp8 weights)
+  raises naming it (``"auto"`` runs such layers on XLA);
 * ``"mosaic"``: the Mosaic GPU kernels (Hopper, jax >= 0.11) through
   dispatch, which says why a layer cannot run there.
 
@@ -689,8 +695,8 @@ def freeze(variables, layer_quants=None):
     several frozen ops. nnx: a new, frozen nnx model.
 
   Raises:
-    ValueError: a weight that cannot be frozen (fp8), records missing or
-      not matching the variables; the message names the layer.
+    ValueError: a layer that cannot be frozen (stacked, a computed weight), records
+      missing or not matching the variables; the message names the layer.
   """
   if isinstance(variables, nnx.Module):
     return _freeze_nnx(variables, layer_quants)

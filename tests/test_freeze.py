@@ -467,23 +467,35 @@ def test_kernel_path_matches_qt_forward(rule):
 
 
 @pytest.mark.slow
-def test_fp8_weights_cannot_be_frozen():
+def test_fp8_weights_freeze_beside_integer_ones():
+  """fp8 weights freeze as a byte per code (uint8 (N, K): the fp8 bit patterns) with per-channel
+  scales, beside int8 ones, and predict the QT forward's numbers (tests/test_freeze_fp8.py has
+  the rest: mxfp8, fp8 inputs, conv, save / load, the qwix PTQ)."""
   x = jax.random.normal(jax.random.key(0), (B, T, D))
   rules = [qtrain.QtRule(module_path="mlp_up", weight_qtype="float8_e4m3fn"),
            qtrain.QtRule(module_path=".*", weight_qtype="int8")]
-  _, provider, _, v = _linen_qt(rules, x)
-  with pytest.raises(ValueError, match=r"'mlp_up \(dot_general0\)' has float8_e4m3fn weights.*"
-                                       r"cannot be frozen"):
-    freeze.freeze(v, provider)
+  model, provider, qmodel, v = _linen_qt(rules, x)
+  frozen = freeze.freeze(v, provider)
+  up, down = frozen["layers"]["mlp_up"], frozen["layers"]["mlp_down"]
+  assert up.words.dtype == jnp.uint8 and up.words.shape == (2 * D, D) and up.w_scale.shape == (2 * D,)
+  assert up.weight_codes().dtype == jnp.float8_e4m3fn
+  assert down.words.dtype == jnp.uint32
+  np.testing.assert_array_equal(freeze.apply_frozen(model, frozen, x, implementation="auto"),
+                                qmodel.apply(v, x))
   m = NnxBlock(nnx.Rngs(0))
   qtrain.quantize_model(m, qtrain.QtProvider([qtrain.QtRule(module_path="up",
                                                             weight_qtype="float8_e5m2")]), x)
-  with pytest.raises(ValueError, match=r"'up \(dot_general0\)' has float8_e5m2 weights"):
-    freeze.freeze(m)
+  fr = freeze.freeze(m)
+  assert fr.up.dot_general.words[...].dtype == jnp.uint8
+  np.testing.assert_array_equal(fr(x), m(x))
   lq = binary.weight_only("float8_e4m3fn")
-  v = qlayers.QDense(4, quant=lq).init(jax.random.key(0), jnp.ones((1, 8)))
-  with pytest.raises(ValueError, match=r"layer '<root>' has float8_e4m3fn weights"):
-    freeze.freeze(v, {"": lq})
+  layer = qlayers.QDense(4, quant=lq)
+  xs = jax.random.normal(jax.random.key(2), (3, 8))
+  v = layer.init(jax.random.key(0), xs)
+  frozen = freeze.freeze(v, {"": lq})
+  assert frozen["layers"][""].words.shape == (4, 8)
+  np.testing.assert_array_equal(freeze.apply_frozen(layer, frozen, xs, implementation="auto"),
+                                layer.apply(v, xs))
 
 
 @pytest.mark.slow

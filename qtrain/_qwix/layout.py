@@ -25,7 +25,6 @@ from flax.core import meta
 
 from qtrain import _frozen
 from qtrain._frozen import FrozenLayer
-from qtrain.core import packing
 from qtrain.core import qtypes
 from qtrain.ops import config as cfg_lib
 
@@ -148,7 +147,11 @@ class ScaleHow:
 
 
 def storage_dtype(qtype: str):
-  """The dtype of a weight's codes in qwix's layout: int4 / int2 where the qtype is, else int8."""
+  """The dtype of a weight's codes in qwix's layout: int4 / int2 where the qtype is, the fp8
+  dtype for fp8 and mxfp8 (e4m3fn elements), else int8."""
+  qt = qtypes.get_qtype(qtype)
+  if qt.is_float:
+    return qt.compute_dtype
   return {"int4": jnp.int4, "int2": jnp.int2}.get(qtype, jnp.int8)
 
 
@@ -183,7 +186,8 @@ def to_frozen(how: WeightHow, qarray: QArray, scale_a=None, zero_a=None) -> Froz
     if a is not None and (a.ndim != len(ks) or any(n % g for g, n in zip(a.shape, ks))):
       raise ValueError(f"layer {how.key!r}: {what} of shape {tuple(a.shape)} does not tile "
                        f"qvalue's {ks}")
-  codes = qv.astype(jnp.int8)
+  codes = qv.astype(storage_dtype(spec.w_qtype) if qtypes.get_qtype(spec.w_qtype).is_float
+                   else jnp.int8)
   if spec.kind == "conv":
     perm = tuple(spec.layout)
     lead, n, k = (), spec.n, spec.k
@@ -202,7 +206,7 @@ def to_frozen(how: WeightHow, qarray: QArray, scale_a=None, zero_a=None) -> Froz
       return full[..., 0]
     return full[..., ::spec.group_size]
   return dataclasses.replace(
-      spec, words=packing.pack(codes, spec.w_qtype, axis=-1), w_scale=per_group(scale),
+      spec, words=_frozen.store_codes(codes, spec.w_qtype), w_scale=per_group(scale),
       w_zero=None if zp is None else per_group(zp),
       scale_a=None if scale_a is None else jnp.asarray(scale_a, jnp.float32).reshape(()),
       zero_a=None if zero_a is None else jnp.asarray(zero_a).astype(jnp.float32).reshape(()))

@@ -170,12 +170,23 @@ def test_freeze_predicts_the_qt_forward(name, lora_rank):
 
 
 @pytest.mark.slow
-def test_mxfp8_weights_do_not_freeze():
-  prov = qtrain.QtProvider([qtrain.QtRule(module_path=".*", weight_qtype="mxfp8")])
-  qm = qtrain.quantize_model(MLP(), prov)
-  v = qm.init(jax.random.key(0), jnp.ones((2, 64)))
-  with pytest.raises(ValueError, match="mxfp8 weights, which cannot be frozen"):
-    freeze.freeze(v, prov)
+def test_mxfp8_weights_freeze_a_byte_per_code():
+  """mxfp8 weights freeze as their e4m3 codes' bytes (uint8 (N, K)) with one e8m0 scale per
+  32 values of K, and give the QT forward's numbers (tests/test_freeze_fp8.py: the rest)."""
+  prov = qtrain.QtProvider([qtrain.QtRule(module_path=".*", weight_qtype="mxfp8",
+                                          act_qtype="mxfp8")])
+  model = MLP()
+  qm = qtrain.quantize_model(model, prov)
+  x = jax.random.normal(jax.random.key(0), (16, 256))
+  v = qm.init(jax.random.key(0), x)
+  frozen = freeze.freeze(v, prov)
+  up = frozen["layers"]["mlp_up"]
+  assert up.words.dtype == jnp.uint8 and up.words.shape == (128, 256)
+  assert up.group_size == 32 and up.w_scale.shape == (128, 256 // 32)
+  # "auto" as the rule ran: an mxfp8 x mxfp8 product sums in float32, in the operand layout
+  # its implementation gives (tests/test_freeze_fp8.py)
+  np.testing.assert_array_equal(freeze.apply_frozen(model, frozen, x, implementation="auto"),
+                                qm.apply(v, x))
 
 
 @pytest.mark.slow
