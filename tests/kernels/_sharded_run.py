@@ -4,13 +4,9 @@
 under ``jax.vmap`` / ``jax.shard_map``. Prints one JSON object."""
 
 import json
-import os
 import re
-import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=4")
-os.environ["JAX_PLATFORMS"] = "cpu"
+from _four_devices import COLLECTIVES  # 4 fake devices and argv[1]'s partitioner, before jax
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -19,9 +15,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from qtrain.kernels import sharded  # noqa: E402
 
-partitioner = sys.argv[1]
-jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
-COLLECTIVES = r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\("
 
 
 # A pure-jnp stand-in for the kernel. (A host callback, opaque like a Pallas call, is placed on

@@ -6,13 +6,9 @@ kernel has no CPU interpreter, so a stand-in reads its weight layout (a shard of
 MosaicWeight must hold that shard's channels). Prints one JSON object."""
 
 import json
-import os
 import re
-import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=4")
-os.environ["JAX_PLATFORMS"] = "cpu"
+from _four_devices import COLLECTIVES  # 4 fake devices and argv[1]'s partitioner, before jax
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -23,9 +19,6 @@ from qtrain.core import qarray as qa, qtypes  # noqa: E402
 from qtrain.kernels import mosaic_matmul as mm, nbit_matmul as nbm, prepared, sharded  # noqa: E402
 from qtrain.ops import dispatch  # noqa: E402
 
-partitioner = sys.argv[1]
-jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
-COLLECTIVES = r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\("
 DN = (((1,), (1,)), ((), ()))
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
 S = lambda *spec: NamedSharding(mesh, P(*spec))
