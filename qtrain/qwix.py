@@ -492,13 +492,13 @@ def _qwix_params(frozen: Mapping, boxed: Mapping, provider: PtqProvider) -> dict
     owner = tuple(p for p in path.split("/") if p)
     _check_qwix_layer(layer, key)
     rec = _record_of(provider, path, layer.op_id)
-    q = layout.to_qarray(layer)
+    weight_quant = freeze_lib._weight_quant(rec, provider.qt)
+    q = layout.to_qarray(layer, weight_quant)
     box = _get_path(boxed, owner + (layer.param,))
     q = QArray(qvalue=layout._rebox(box, q.qvalue), scale=layout._rebox(box, q.scale),
                zero_point=None if q.zero_point is None else layout._rebox(box, q.zero_point),
                qtype=q.qtype)
-    leaves = {layer.param: WithAux(q, _weight_how(key, layer,
-                                                  freeze_lib._weight_quant(rec, provider.qt)))}
+    leaves = {layer.param: WithAux(q, _weight_how(key, layer, weight_quant))}
     if (layer.act_dict or {}).get("scale") == "given":
       stem, qt = f"{layer.op_id}_{_act_side(layer)}", layer.act_dict["qtype"]
       leaves[f"{stem}_scale"] = WithAux(
@@ -898,7 +898,7 @@ def _to_qwix_nnx(frozen, source, provider: PtqProvider):
     layer = fop.layer
     _check_qwix_layer(layer, path or "<root>")
     orig = vars(nodes[path]).get(layer.param)
-    q = layout.to_qarray(layer)
+    q = layout.to_qarray(layer, fop.weight_quant)
     wrapped = QArray(qvalue=_wrap_like(orig, q.qvalue), scale=_wrap_like(orig, q.scale),
                      zero_point=None if q.zero_point is None else _wrap_like(orig, q.zero_point),
                      qtype=q.qtype)

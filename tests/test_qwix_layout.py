@@ -331,3 +331,91 @@ def test_minmax_static_scale_nnx_ptq_both_flows():
   want = np.asarray(qt(x))
   np.testing.assert_array_equal(np.asarray(ptq(x)), want)
   np.testing.assert_array_equal(np.asarray(abstract(x)), want)
+
+
+# ----------------------------------------------------------------------------
+# 2-D (per-axis tile) scales in the PTQ leaf.
+
+
+def _block_scales(a: np.ndarray, tiles: tuple[int, int], qmax: int = 127) -> np.ndarray:
+  """absmax / qmax of each (tiles[0] x tiles[1]) block of a 2-D array: its block scales."""
+  r, c = a.shape
+  return np.abs(a).reshape(r // tiles[0], tiles[0], c // tiles[1], tiles[1]).max((1, 3)) / qmax
+
+
+def _rounding_bound(x, w, sx, sw):
+  """|x_q . w_q - x . w| for values rounded to steps ``sx`` (per element of x) and ``sw`` (per
+  element of w), each off by at most half its step: sum_k |x| sw/2 + |w| sx/2 + sx sw/4."""
+  ax, aw = np.abs(x), np.abs(w)
+  return ax @ (sw / 2) + (sx / 2) @ aw + (sx / 2) @ (sw / 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("act", [None, "int8"])
+def test_nnx_ptq_keeps_2d_block_scales_and_predicts_the_qt_forward(act):
+  """tile_size={0: 4, 1: 8} on nnx.Linear(16, 24): the PTQ leaf holds one scale per 4 x 8
+  block of the (K, N) kernel, (4, 3) (qwix's layout), each the block's absmax / 127; its
+  dequantized weight is within half a block step of the float one; the PTQ forward equals the
+  QT forward bit for bit (XLA path) and sits within the rounding bound of a float64 reference
+  (the activation quantized in its own 4 x 8 blocks of (M, K) when act_qtype is set)."""
+  tiles = (4, 8)
+  rules = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8", act_qtype=act,
+                                 tile_size={0: tiles[0], 1: tiles[1]})]
+  x = jax.random.normal(jax.random.key(0), (8, 16), jnp.float32)
+  layer = nnx.Linear(16, 24, rngs=nnx.Rngs(1))
+  w = np.asarray(layer.kernel[...], np.float64)
+  ptq = qwix.quantize_model(layer, qwix.PtqProvider(rules, implementation="xla"), x)
+  q = ptq.kernel.array
+  assert q.qvalue[...].dtype == jnp.int8 and q.qtype == jnp.int8
+  assert q.scale[...].shape == (16 // tiles[0], 24 // tiles[1])
+  np.testing.assert_allclose(np.asarray(q.scale[...]), _block_scales(w, tiles), rtol=1e-6)
+  sw = np.repeat(np.repeat(np.asarray(q.scale[...], np.float64), tiles[0], 0), tiles[1], 1)
+  deq = np.asarray(qwix.dequantize(qwix.QArray(q.qvalue[...], q.scale[...])), np.float64)
+  assert np.all(np.abs(deq - w) <= sw / 2 + 1e-7)
+  got = np.asarray(ptq(x))
+  qt = qwix.quantize_model(layer, qwix.QtProvider(rules), x)
+  np.testing.assert_array_equal(got, np.asarray(qt(x)))
+  xf = np.asarray(x, np.float64)
+  sx = (np.zeros_like(xf) if act is None else
+        np.repeat(np.repeat(_block_scales(xf, tiles), tiles[0], 0), tiles[1], 1))
+  ref = xf @ w + np.asarray(layer.bias[...], np.float64)
+  bound = _rounding_bound(xf, w, sx, sw)
+  assert np.all(np.abs(got - ref) <= bound + 1e-5 * np.abs(ref).max())
+  assert np.abs(got - ref).max() > 0  # quantized: not the float product
+
+
+@pytest.mark.slow
+def test_2d_block_scales_in_linen_ptq_and_the_abstract_nnx_flow():
+  """The same 2-D block scales where PTQ params are built from float params: linen
+  (PtqModel.init's template, quantize_params) and nnx's abstract model (nnx.eval_shape +
+  quantize_params): one scale per block, each the block's absmax / 127; predictions the QT
+  forward's bit for bit (XLA path)."""
+  tiles = {"hidden": (4, 8), "out": (8, 2)}  # kernels (16, 32) and (32, 4)
+  rules = [qwix.QuantizationRule(module_path=name, weight_qtype="int8", act_qtype="int8",
+                                 tile_size={0: t[0], 1: t[1]}) for name, t in tiles.items()]
+  x = jax.random.normal(jax.random.key(0), (8, 16), jnp.float32)
+  fp = _Mlp().init(jax.random.key(1), x)
+  ptq = qwix.quantize_model(_Mlp(), qwix.PtqProvider(rules, implementation="xla"))
+  template = jax.eval_shape(ptq.init, jax.random.key(0), x)["params"]
+  params = qwix.quantize_params(fp["params"], template)
+  for name, t in tiles.items():
+    w = np.asarray(fp["params"][name]["kernel"], np.float64)
+    want = _block_scales(w, t)
+    assert template[name]["kernel"].array.scale.shape == want.shape
+    np.testing.assert_allclose(np.asarray(params[name]["kernel"].array.scale), want, rtol=1e-6)
+  assert params["hidden"]["kernel"].array.scale.shape == (4, 4)
+  qt = qwix.quantize_model(_Mlp(), qwix.QtProvider(rules))
+  np.testing.assert_array_equal(np.asarray(ptq.apply({"params": params}, x)),
+                                np.asarray(qt.apply(fp, x)))
+  # nnx: the abstract PTQ model's template, filled from another model's float params.
+  rule = [qwix.QuantizationRule(module_path=".*", weight_qtype="int8", tile_size={0: 4, 1: 8})]
+  abstract = nnx.eval_shape(lambda: qwix.quantize_model(
+      nnx.Linear(16, 24, rngs=nnx.Rngs(0)), qwix.PtqProvider(rule, implementation="xla"), x))
+  assert abstract.kernel.array.scale.get_value().shape == (4, 3)
+  trained = nnx.Linear(16, 24, rngs=nnx.Rngs(5))
+  nnx.update(abstract, qwix.quantize_params(nnx.to_pure_dict(nnx.state(trained, nnx.Param)),
+                                            abstract))
+  np.testing.assert_allclose(np.asarray(abstract.kernel.array.scale[...]), _block_scales(
+      np.asarray(trained.kernel[...], np.float64), (4, 8)), rtol=1e-6)
+  want = qwix.quantize_model(trained, qwix.QtProvider(rule), x)(x)
+  np.testing.assert_array_equal(np.asarray(abstract(x)), np.asarray(want))

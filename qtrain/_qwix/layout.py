@@ -70,7 +70,7 @@ class QArray:
     if self.qtype is None:
       dt = getattr(unbox(self.qvalue), "dtype", None)
       if dt is not None:
-        object.__setattr__(self, "qtype", jnp.dtype(dt).name)
+        object.__setattr__(self, "qtype", qtype_of(jnp.dtype(dt).name))
 
   shape = property(lambda self: unbox(self.qvalue).shape)
   ndim = property(lambda self: len(unbox(self.qvalue).shape))
@@ -155,13 +155,69 @@ def storage_dtype(qtype: str):
   return {"int4": jnp.int4, "int2": jnp.int2}.get(qtype, jnp.int8)
 
 
-def to_qarray(layer: FrozenLayer) -> QArray:
-  """A frozen layer's weight as qwix's QArray in the weight's own layout (its codes and scales)."""
+def qtype_of(name: str):
+  """A QArray's ``qtype``: the dtype where the qtype is one (``jnp.dtype("int8")``, which
+  compares equal to ``jnp.int8`` and to ``"int8"``, as qwix's), else its name (``"nf4"``)."""
+  try:
+    return jnp.dtype(name)
+  except TypeError:
+    return name
+
+
+def scale_groups(spec: FrozenLayer, weight_quant: cfg_lib.OperandQuant | None
+                 ) -> tuple[int, ...] | None:
+  """The number of scales along each axis of a dot weight quantized with per-axis tiles
+  (``tile_size={axis: tile}``, qwix's 2-D scales), as qwix keeps them: a tiled axis one per
+  tile, a contracting axis not named one, a batch axis one per index, a free axis not named one
+  per index (one in all without ``channelwise``). None for other weights (whose scales
+  :meth:`FrozenLayer.kernel_qarray` already gives in that layout)."""
+  if (weight_quant is None or spec.kind != "dot"
+      or not cfg_lib.is_per_axis(weight_quant.tile_size)):
+    return None
+  ks = tuple(spec.kernel_shape)
+  tiles = cfg_lib.resolve_axis_tiles(weight_quant.tile_size, ks, "tile_size")
+  contract, batch, _ = _frozen._dot_axes(spec)
+  out = []
+  for a, n in enumerate(ks):
+    if a in tiles:
+      out.append(n // tiles[a])
+    elif a in contract:
+      out.append(1)
+    elif a in batch or weight_quant.channelwise:
+      out.append(n)
+    else:
+      out.append(1)
+  return tuple(out)
+
+
+def _compact(a, groups: tuple[int, ...]):
+  """A scale (or zero point) that is constant over each tile, one value per tile: ``groups``
+  values along each axis (the first element of each tile)."""
+  full = a
+  for ax, g in enumerate(groups):
+    n = full.shape[ax]
+    if n == g:
+      continue
+    if n == 1:  # one value broadcast along the axis: repeat it to the tiles
+      full = jnp.repeat(full, g, axis=ax)
+      continue
+    full = jax.lax.slice_in_dim(full, 0, n, stride=n // g, axis=ax)
+  return full
+
+
+def to_qarray(layer: FrozenLayer, weight_quant: cfg_lib.OperandQuant | None = None) -> QArray:
+  """A frozen layer's weight as qwix's QArray in the weight's own layout (its codes and scales:
+  one scale per tile of each axis, ``weight_quant`` saying the per-axis tiles of 2-D scales)."""
   q = layer.kernel_qarray()
   dt = storage_dtype(layer.w_qtype)
-  zp = None if q.zero_point is None else q.zero_point.astype(dt)
-  return QArray(qvalue=q.qvalue.astype(dt), scale=q.scale.astype(jnp.float32), zero_point=zp,
-                qtype=layer.w_qtype)
+  scale, zp = q.scale.astype(jnp.float32), q.zero_point
+  groups = scale_groups(layer, weight_quant)
+  if groups is not None:
+    scale = _compact(scale, groups)
+    zp = None if zp is None else _compact(zp, groups)
+  zp = None if zp is None else zp.astype(dt)
+  return QArray(qvalue=q.qvalue.astype(dt), scale=scale, zero_point=zp,
+                qtype=qtype_of(layer.w_qtype))
 
 
 def _expand(a, shape):
@@ -226,7 +282,7 @@ def requantize(how: WeightHow, kernel, where: str) -> QArray:
     raise ValueError(f"quantize_params: {where!r}: a tile across several contracting axes is "
                      "not rebuilt from float weights here: quantize the model with "
                      "quantize_model(model, PtqProvider(rules), x) instead")
-  return to_qarray(_frozen.rebuild(spec, kernel, how.weight_quant, where=where))
+  return to_qarray(_frozen.rebuild(spec, kernel, how.weight_quant, where=where), how.weight_quant)
 
 
 def static_scale_array(scale, ndim: int):
