@@ -579,7 +579,7 @@ def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | 
     b = jnp.max(bits, axis=red, keepdims=True, initial=np.int32(0))
     if names:
       b = jax.lax.pmax(b, names)
-    return jax.lax.bitcast_convert_type(jnp.minimum(b, np.int32(_INF_BITS)), jnp.float32)
+    return bound_of_bits(b)
 
   if cal.method == "minmax":
     nan = jnp.isnan(xs)
@@ -597,9 +597,7 @@ def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | 
       s = jnp.where(gmax(ax) == 0, 0.0, s.reshape(gmax(ax).shape)).reshape(out_shape)
     return s, None
   if cal.method == "absmax":
-    bound = top()
-    zero = bound == 0
-    finite = jnp.isfinite(bound)
+    return absmax_scale(top(), spec).reshape(out_shape), None
   elif cal.method == "absmean":
     bound, zero, finite = _abs_mean(ax, red)
   elif cal.method == "rms":
@@ -624,6 +622,27 @@ def calibrate(x: jax.Array, spec: QuantizeSpec) -> tuple[jax.Array, jax.Array | 
   zero_scale = 0.0 if qt.kind == "binary" else 1.0
   scale = jnp.where(zero, zero_scale, _scale_from_bound(bound, cal.multiplier, qt, codes, sr))
   return jnp.where(finite, scale, jnp.nan).reshape(out_shape), None
+
+
+def bound_of_bits(bits: jax.Array) -> jax.Array:
+  """The float32 ``max |x|`` of a group from the max of its ``|x|`` bits (int32: they order as
+  the magnitudes, Inf above every finite value, NaN above Inf): Inf where the group holds a NaN
+  or an Inf."""
+  return jax.lax.bitcast_convert_type(jnp.minimum(bits, np.int32(_INF_BITS)), jnp.float32)
+
+
+def absmax_scale(bound: jax.Array, spec: QuantizeSpec) -> jax.Array:
+  """:func:`calibrate`'s ``absmax`` scale of each group from its bound (``max |x|``, Inf for a
+  non-finite group): a kernel that finds the bounds itself gets the same scales."""
+  qt: qtypes.QType = spec.qtype  # type: ignore[assignment]
+  cal: Calibration = spec.calibration  # type: ignore[assignment]
+  if cal.method != "absmax":
+    raise ValueError(f"absmax_scale: the calibration is {cal.method!r}, not 'absmax'")
+  zero_scale = 0.0 if qt.kind == "binary" else 1.0
+  scale = jnp.where(bound == 0, zero_scale,
+                    _scale_from_bound(bound, cal.multiplier, qt, _symmetric_codes(qt, cal),
+                                      spec.stochastic_rounding is not None))
+  return jnp.where(jnp.isfinite(bound), scale, jnp.nan)
 
 
 def _abs_mean(ax: jax.Array, red: tuple[int, ...]):

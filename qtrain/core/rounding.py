@@ -116,16 +116,28 @@ def hash_words(key: jax.Array, shape) -> jax.Array:
     raise ValueError(f"stochastic_rounding='low_bit_hash' draws at most 2**32 words (4 * 2**32 "
                      f"elements) per quantized array; got {size} words for shape {shape}: use "
                      f"'low_bit_uniform'")
-  data = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
-  s0, s1 = jnp.uint32(_GOLDEN), jnp.uint32(~_GOLDEN & 0xFFFFFFFF)
-  for i in range(data.shape[0]):
-    s0 = _mix32(s0 ^ data[i])
-    s1 = _mix32(s1 + data[i])
+  s0, s1 = hash_seeds(key)
   index = jnp.zeros(shape, jnp.uint32)
   stride = 1
   for axis in reversed(range(len(shape))):
     index = index + lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % 2**32)
     stride *= shape[axis]
+  return mix_words(index, s0, s1)
+
+
+def hash_seeds(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The two uint32 seeds :func:`hash_words` folds ``key``'s data into."""
+  data = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
+  s0, s1 = jnp.uint32(_GOLDEN), jnp.uint32(~_GOLDEN & 0xFFFFFFFF)
+  for i in range(data.shape[0]):
+    s0 = _mix32(s0 ^ data[i])
+    s1 = _mix32(s1 + data[i])
+  return s0, s1
+
+
+def mix_words(index: jax.Array, s0, s1) -> jax.Array:
+  """:func:`hash_words`' word for each uint32 word ``index`` under seeds ``(s0, s1)`` (a kernel
+  computing the noise of its own elements calls this)."""
   return _mix32(_mix32(index ^ s0) + s1)
 
 

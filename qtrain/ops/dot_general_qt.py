@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,8 @@ import numpy as np
 from qtrain.core import _lax
 from qtrain.core import qarray as qa
 from qtrain.core import qdot
+from qtrain.core import rounding
+from qtrain.kernels import grad_pair as _grad_pair_kernel
 from qtrain.ops import config as cfg_lib
 from qtrain.ops import dispatch
 from qtrain.ops.qt_operand import (as_key, as_scale, check_given_scale, check_operands,
@@ -88,6 +91,7 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int, axis_names=()):
 
   Returns (g', y') or None when the scale varies jointly along contracted and
   free axes of this product (then the caller multiplies in float).
+  :func:`_fold_factor` tells the factor ``g'`` is ``g`` (as float32) times.
 
   ``g * scale`` can overflow float32 where the product does not (a gradient
   of 1e25 times a scale of 1e20, against codes of 0): one Inf would make its
@@ -104,12 +108,26 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int, axis_names=()):
   leave a product that overflows. ``axis_names``: the ``jax.shard_map`` mesh
   axes the contraction is split over; the shift is then the whole array's.
   """
+  folded = _fold_factor(y, dims, swap_ans, nxk, axis_names)
+  if folded is None or folded is _NO_FOLD:
+    return None if folded is None else (g, y)
+  s_g, y2 = folded
+  return g.astype(jnp.float32) * s_g, y2
+
+
+_NO_FOLD = object()  # the scale does not vary along the contraction: nothing to fold
+
+
+def _fold_factor(y: qa.QArray, dims, swap_ans: bool, nxk: int, axis_names=()):
+  """:func:`_fold_scale`'s factor: ``(s_g, y')`` with ``g' = g.astype(float32) * s_g``
+  (``s_g`` broadcasts against ``g``), :data:`_NO_FOLD` when ``y``'s scale does not vary along
+  the contraction, None when it varies jointly along contracted and free axes."""
   (gc, yk), (gb, yb) = dims
   ys = y.scale
   y_free = [a for a in range(y.ndim) if a not in yk and a not in yb]
   varies = lambda axes: any(ys.shape[a] != 1 for a in axes)
   if not varies(yk):
-    return g, y
+    return _NO_FOLD
   if varies(y_free):
     return None
   t = jnp.transpose(ys, tuple(yb) + tuple(yk) + tuple(y_free)).astype(jnp.float32)
@@ -124,7 +142,6 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int, axis_names=()):
     s_g = t.reshape(t.shape + (1,) * nxk)
   else:
     s_g = t.reshape(t.shape[:nb] + (1,) * nxk + t.shape[nb:])
-  g2 = g.astype(jnp.float32) * s_g
   # 2**e along y's batch axes, in y's axis order (yb may list them in another).
   order = sorted(range(nb), key=lambda i: yb[i])
   e = jnp.transpose(e.reshape(e.shape[:nb]), order)
@@ -132,7 +149,7 @@ def _fold_scale(g, y: qa.QArray, dims, swap_ans: bool, nxk: int, axis_names=()):
   for a, n in zip(sorted(yb), e.shape):
     shape[a] = n
   y2 = dataclasses.replace(y, scale=_pow2(e).reshape(shape))
-  return g2, y2
+  return s_g, y2
 
 
 def _fold_exponent(t: jax.Array, group: tuple[int, ...], axis_names=()) -> jax.Array:
@@ -199,12 +216,122 @@ def backward_product(g, y_res, dn_x_first, x_ndim: int, *, swap_ans: bool, gq, k
       g_in = quantize_mx_grad(g_in, gq, dims[0][0], key)
     else:
       g_in = quantize_grad(g_in, gq, g_free, key, dims[0][0])
-  ctype = compute_dtype(g.dtype, y_dtype if y_dtype is not None else jnp.float32)
-  if gq is not None and not qdot.is_quantized(g_in):  # MX values, dequantized: exact in float32
+  return _backward_dot(g_in, y_in, dims, perm, g_dtype=g.dtype, y_dtype=y_dtype,
+                       float_values=gq is not None and not qdot.is_quantized(g_in),
+                       implementation=implementation, x_shape=x_shape, out_dtype=out_dtype)
+
+
+def _backward_dot(g_in, y_in, dims, perm, *, g_dtype, y_dtype, float_values: bool,
+                  implementation: str, x_shape, out_dtype):
+  """The product of :func:`backward_product` once ``g`` is quantized (``float_values``: ``g_in``
+  holds MX values dequantized, exact in float32)."""
+  ctype = compute_dtype(g_dtype, y_dtype if y_dtype is not None else jnp.float32)
+  if float_values:
     ctype = jnp.float32
   r = dispatch.quantized_dot_general(g_in, y_in, dims, preferred_element_type=out_dtype,
                                      implementation=implementation, compute_dtype=ctype)
   return jnp.transpose(r, perm).reshape(x_shape)
+
+
+# ----------------------------------------------------------------------------
+# Both gradient quantizations of a 2-D-like product from one read of g (a GPU kernel).
+
+
+def _pair_grad_ok(gq) -> bool:
+  """Whether :mod:`qtrain.kernels.grad_pair` computes this gradient quantization: an integer
+  qtype of <= 8 bits, plain absmax, one scale per row / column, no mesh axes, rounding to
+  nearest or ``low_bit_hash`` (the noise it can compute in place)."""
+  cal = gq.calibration
+  return (gq.qtype.kind == "int" and gq.qtype.bits <= 8 and cal.method == "absmax"
+          and cal.multiplier == 1.0 and gq.tile_size is None and not gq.axis_names
+          and gq.stochastic_rounding in (None, "low_bit_hash"))
+
+
+def _pair_xla(g2, g3, ql_spec, qr_spec, k_l, k_r, m: int, n: int):
+  """:func:`_grad_pair`'s codes and scales on XLA: ``qarray.quantize`` of each folded gradient
+  (the per-product path, whose numbers the kernels reproduce), the second one transposed."""
+  ql = qa.quantize(g2, ql_spec, key=k_l)
+  qr = qa.quantize(g3, qr_spec, key=k_r)
+  return (ql.qvalue.reshape(m, n), jnp.transpose(qr.qvalue.reshape(m, n)),
+          ql.scale.reshape(m), qr.scale.reshape(n))
+
+
+def _pair_kernels(g2d, s_l, s_r, ql_spec, qr_spec, seeds, *, interpret: bool, **opts):
+  """:func:`_pair_xla` by the two kernels of :mod:`qtrain.kernels.grad_pair`: the bounds of
+  both folded gradients from one read, then both codes from another."""
+  b_l, b_r = _grad_pair_kernel.grad_pair_bounds(g2d, s_l, s_r, interpret=interpret)
+  sc_l = qa.absmax_scale(qa.bound_of_bits(b_l), ql_spec)
+  sc_r = qa.absmax_scale(qa.bound_of_bits(b_r), qr_spec)
+  inv = lambda sc: 1.0 / jnp.where(sc == 0, 1.0, sc)  # qarray.divide_by_scale's, as XLA runs it
+  c_l, c_rt = _grad_pair_kernel.grad_pair(g2d, s_l, s_r, inv(sc_l), inv(sc_r), seeds,
+                                          interpret=interpret, **opts)
+  return c_l, c_rt, sc_l, sc_r
+
+
+def _grad_pair(g, lres, rres, dn, config, k_l, k_r):
+  """Both backward products' quantized gradients from one pass over ``g``, or None where the
+  kernel does not apply (then each product quantizes its own, :func:`backward_product`).
+
+  Applies to a product without batch axes whose operands are both quantized with scales that
+  fold into ``g`` (per row / per column or per tensor), both gradients per
+  :func:`_pair_grad_ok`, a gradient of (M, N) = (lhs free, rhs free) sizes the kernel tiles,
+  on one device (the kernel has no per-shard rule), with a kernel implementation ("auto" on a
+  CUDA lowering, "triton", "mosaic", or "interpret" in the Pallas interpreter).
+
+  Returns ``(g_l, y_l, g_rt, y_r)``: the input gradient's quantized ``g`` (``g``'s shape) and
+  the folded rhs residual; the weight gradient's quantized ``g`` transposed to (rhs free...,
+  lhs free...), the layout its GEMM reads, and the folded lhs residual.
+  """
+  impl = config.implementation
+  (lc, rc), (lb, rb) = dn
+  gq_l, gq_r = config.dlhs_grad, config.drhs_grad
+  if (impl == "xla" or lb or gq_l is None or gq_r is None or not _pair_grad_ok(gq_l)
+      or not _pair_grad_ok(gq_r) or not qdot.is_quantized(lres.value)
+      or not qdot.is_quantized(rres.value) or jax.device_count() != 1):
+    return None
+  lq, rq = lres.value, rres.value
+  nl = lq.ndim - len(lc)
+  shape = tuple(g.shape)
+  m, n = math.prod(shape[:nl]), math.prod(shape[nl:])
+  if not shape or nl == 0 or nl == len(shape) or _grad_pair_kernel.supported(m, n) is not None:
+    return None
+  dims_l, _, free_l = transpose_dims(dn, lq.ndim, rq.ndim, swap_ans=False)
+  dims_r, _, free_r = transpose_dims(((rc, lc), (rb, lb)), rq.ndim, lq.ndim, swap_ans=True)
+  fold_l = _fold_factor(rq, dims_l, False, nl, ())
+  fold_r = _fold_factor(lq, dims_r, True, len(shape) - nl, ())
+  if fold_l is None or fold_r is None:
+    return None
+  (s_l, y_l) = (jnp.ones((n,), jnp.float32), rq) if fold_l is _NO_FOLD else fold_l
+  (s_r, y_r) = (jnp.ones((m,), jnp.float32), lq) if fold_r is _NO_FOLD else fold_r
+  s_l, s_r = jnp.reshape(s_l, (n,)), jnp.reshape(s_r, (m,))
+  qt = gq_l.qtype
+  if gq_r.qtype != qt:
+    return None
+  spec = lambda gq, cw: qa.QuantizeSpec(qtype=qt, channelwise_axes=cw, calibration=gq.calibration,
+                                        stochastic_rounding=gq.stochastic_rounding)
+  ql_spec, qr_spec = spec(gq_l, free_l), spec(gq_r, free_r)
+  seeds = [jnp.zeros((), jnp.uint32)] * 4
+  for i, (gq, key) in enumerate(((gq_l, k_l), (gq_r, k_r))):
+    if gq.stochastic_rounding is not None:
+      seeds[2 * i], seeds[2 * i + 1] = rounding.hash_seeds(key)
+  opts = dict(qmin=qt.qmin, qmax=qt.qmax, n_last=shape[-1],
+              stochastic=(gq_l.stochastic_rounding is not None,
+                          gq_r.stochastic_rounding is not None))
+  args = (g.reshape(m, n), s_l, s_r, ql_spec, qr_spec, jnp.stack(seeds))
+  kernels = lambda interpret: (lambda: _pair_kernels(*args, interpret=interpret, **opts))
+  if impl == "interpret":
+    c_l, c_rt, sc_l, sc_r = kernels(True)()
+  else:
+    g2 = g.astype(jnp.float32) * s_l.reshape(shape[nl:])
+    g3 = g.astype(jnp.float32) * s_r.reshape(shape[:nl] + (1,) * (len(shape) - nl))
+    xla = lambda: _pair_xla(g2, g3, ql_spec, qr_spec, k_l, k_r, m, n)
+    c_l, c_rt, sc_l, sc_r = jax.lax.platform_dependent(cuda=kernels(False), default=xla)
+  sc_l = sc_l.reshape(shape[:nl] + (1,) * (len(shape) - nl))
+  sc_r = sc_r.reshape(shape[nl:] + (1,) * nl)  # g_rt's layout: rhs free axes first
+  g_l = qa.QArray(qvalue=c_l.reshape(shape), scale=sc_l, zero_point=None, qtype=qt)
+  g_rt = qa.QArray(qvalue=c_rt.reshape(shape[nl:] + shape[:nl]), scale=sc_r, zero_point=None,
+                   qtype=qt)
+  return g_l, y_l, g_rt, y_r
 
 
 # ----------------------------------------------------------------------------
@@ -251,12 +378,30 @@ def _bwd(dn, config, precision, out_dtype, shapes, res, g):
   # may be written in the operand's float dtype directly (the same numbers).
   bar_dtype = lambda res, dtype: (dtype if res.given_scale is None
                                   and jnp.issubdtype(dtype, jnp.floating) else jnp.float32)
-  lhs_bar = backward_product(g, rres.value, dn, len(lshape), swap_ans=False, gq=config.dlhs_grad,
-                             key=k_l, implementation=config.implementation, x_shape=lshape,
-                             out_dtype=bar_dtype(lres, ldtype), y_dtype=rdtype)
-  rhs_bar = backward_product(g, lres.value, ((rc, lc), (rb, lb)), len(rshape), swap_ans=True,
-                             gq=config.drhs_grad, key=k_r, implementation=config.implementation,
-                             x_shape=rshape, out_dtype=bar_dtype(rres, rdtype), y_dtype=ldtype)
+  pair = _grad_pair(g, lres, rres, dn, config, k_l, k_r)
+  if pair is None:
+    lhs_bar = backward_product(g, rres.value, dn, len(lshape), swap_ans=False,
+                               gq=config.dlhs_grad, key=k_l, implementation=config.implementation,
+                               x_shape=lshape, out_dtype=bar_dtype(lres, ldtype), y_dtype=rdtype)
+    rhs_bar = backward_product(g, lres.value, ((rc, lc), (rb, lb)), len(rshape), swap_ans=True,
+                               gq=config.drhs_grad, key=k_r, implementation=config.implementation,
+                               x_shape=rshape, out_dtype=bar_dtype(rres, rdtype), y_dtype=ldtype)
+  else:
+    g_l, y_l, g_rt, y_r = pair
+    dims_l, perm_l, _ = transpose_dims(dn, len(lshape), rres.value.ndim, swap_ans=False)
+    lhs_bar = _backward_dot(g_l, y_l, dims_l, perm_l, g_dtype=g.dtype, y_dtype=rdtype,
+                            float_values=False, implementation=config.implementation,
+                            x_shape=lshape, out_dtype=bar_dtype(lres, ldtype))
+    # g_rt holds g's rhs-free axes first: the weight gradient contracts its trailing lhs-free
+    # axes with the lhs residual's free axes (in order), and its output layout is the one
+    # transpose_dims gives for g (rhs-free axes, then the lhs contracting axes).
+    ((_, y_kept), _), perm_r, _ = transpose_dims(((rc, lc), (rb, lb)), len(rshape),
+                                                 lres.value.ndim, swap_ans=True)
+    nr = len(rshape) - len(rc)
+    dims_rt = ((tuple(range(nr, g.ndim)), y_kept), ((), ()))
+    rhs_bar = _backward_dot(g_rt, y_r, dims_rt, perm_r, g_dtype=g.dtype, y_dtype=ldtype,
+                            float_values=False, implementation=config.implementation,
+                            x_shape=rshape, out_dtype=bar_dtype(rres, rdtype))
   lhs_bar, ls_bar = finish_operand_grad(lhs_bar, lres, config.lhs, ldtype)
   rhs_bar, rs_bar = finish_operand_grad(rhs_bar, rres, config.rhs, rdtype)
   return (*typed_like_operands((lhs_bar, rhs_bar, ls_bar, rs_bar), varying), None)

@@ -1153,3 +1153,69 @@ def test_fold_exponent_matches_its_definition_on_float32_edges():
     low = np.min(np.where(finite & (t >= tiny), t, 1), axis=1)
     want = np.clip(np.minimum(exponent(top) + 1, exponent(low) + 126), 0, 127)
     np.testing.assert_array_equal(got, want, err_msg=str(t))
+
+
+# ----------------------------------------------------------------------------
+# Both gradient quantizations from one pass (qtrain.kernels.grad_pair), interpreted.
+
+
+def _pair_cfg(implementation, method="low_bit_hash", **grad):
+  gq = C.GradQuant(qtype=grad.pop("qtype", "int8"), stochastic_rounding=method, **grad)
+  return C.DotGeneralQtConfig(lhs=C.OperandQuant(qtype="int8"), rhs=C.OperandQuant(qtype="int8"),
+                              dlhs_grad=gq, drhs_grad=gq, implementation=implementation)
+
+
+PAIR_CASES = [  # (lhs shape, rhs shape, dimension numbers): layouts whose g tiles by 64
+    ((128, 64), (64, 192), (((1,), (0,)), ((), ()))),        # x @ W
+    ((2, 64, 32), (32, 4, 32), (((2,), (0,)), ((), ()))),    # DenseGeneral: two free axes each
+    ((64, 32), (128, 32), (((1,), (1,)), ((), ()))),         # x @ W.T
+    ((32, 128), (32, 64), (((0,), (0,)), ((), ()))),         # x.T @ W
+]
+
+
+def _pair_grads(cfg, xs, ws, dn, seed=0):
+  x = jax.random.normal(jax.random.key(seed), xs, jnp.bfloat16)
+  w = (jax.random.normal(jax.random.key(seed + 1), ws) *
+       jnp.exp(jax.random.normal(jax.random.key(seed + 2), ws[-1:]) * 2)).astype(jnp.bfloat16)
+  out = qdot_lib.output_shape(xs, ws, qdot_lib.normalize_dimension_numbers(dn, len(xs), len(ws)))
+  weights = jax.random.normal(jax.random.key(seed + 3), out)
+
+  def f(x, w):
+    y = dot_general_qt(x, w, dn, cfg, key=jax.random.key(seed + 4))
+    return (y.astype(jnp.float32) * weights).sum()
+  return jax.jit(jax.grad(f, (0, 1)))(x, w), jax.make_jaxpr(jax.grad(f, (0, 1)))(x, w)
+
+
+def _uses_pair_kernel(jaxpr) -> bool:
+  return any(e.primitive.name == "pallas_call" and "qtrain_grad_pair" in str(e.params.get("name", ""))
+             + str(e.params.get("name_and_src_info", "")) for e in _all_eqns(jaxpr.jaxpr))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("xs,ws,dn", PAIR_CASES)
+@pytest.mark.parametrize("method", ["low_bit_hash", None])
+def test_gradient_pair_kernel_gives_the_xla_gradients_bit_for_bit(xs, ws, dn, method):
+  (gx, gw), jaxpr = _pair_grads(_pair_cfg("interpret", method), xs, ws, dn)
+  (rx, rw), ref_jaxpr = _pair_grads(_pair_cfg("xla", method), xs, ws, dn)
+  assert _uses_pair_kernel(jaxpr) and not _uses_pair_kernel(ref_jaxpr)
+  np.testing.assert_array_equal(np.asarray(gx, np.float32), np.asarray(rx, np.float32))
+  np.testing.assert_array_equal(np.asarray(gw, np.float32), np.asarray(rw, np.float32))
+  assert float(jnp.abs(gw.astype(jnp.float32)).max()) > 0
+
+
+@pytest.mark.parametrize("what,cfg,xs,expected", [
+    ("int8, low_bit_hash", _pair_cfg("auto"), (128, 64), True),
+    ("uniform noise (threefry)", _pair_cfg("auto", "uniform"), (128, 64), False),
+    ("a gradient tile", _pair_cfg("auto", tile_size=32), (128, 64), False),
+    ("fp8 gradients", _pair_cfg("auto", qtype="float8_e5m2"), (128, 64), False),
+    ("rows that do not tile", _pair_cfg("auto"), (100, 64), False),
+    ("the XLA reference", _pair_cfg("xla"), (128, 64), False),
+])
+def test_gradient_pair_kernel_only_where_it_computes_the_same_numbers(what, cfg, xs, expected):
+  """"auto" traces the kernel for a CUDA lowering (both platform branches are in the jaxpr)
+  exactly where it reproduces the per-product quantizations."""
+  dn = (((1,), (0,)), ((), ()))
+  x = jnp.ones(xs, jnp.bfloat16)
+  w = jnp.ones((64, 128), jnp.bfloat16)
+  f = lambda x, w: dot_general_qt(x, w, dn, cfg, key=jax.random.key(0)).astype(jnp.float32).sum()
+  assert _uses_pair_kernel(jax.make_jaxpr(jax.grad(f, (0, 1)))(x, w)) == expected, what

@@ -245,3 +245,63 @@ def test_int3_to_int7_weights_run_on_their_container_kernels(backend, wq, act):
   # Integer products are exact (float32 rounding of the scaled sums only); bf16 activations
   # times dequantized weights accumulate in float32 in a different order.
   assert _rel(got, want) < (BUDGET if act else 1e-2), (backend, wq, act)
+
+
+@pytest.mark.parametrize("shape,n_last", [((1024, 4096), 4096), ((512, 768), 6)])
+@pytest.mark.parametrize("methods", [("low_bit_hash", "low_bit_hash"), (None, None)])
+def test_gradient_pair_kernel_matches_xla_quantization_on_the_gpu(shape, n_last, methods):
+  """The Triton kernel's codes are XLA's quantization of each folded gradient, bit for bit
+  (rows spanning 1e-30..1e30; the GPU's float multiply and reciprocal, not the interpreter's)."""
+  from qtrain.core import rounding
+  from qtrain.kernels import grad_pair as gp
+  m, n = shape
+  ks = jax.random.split(jax.random.key(m + n), 4)
+  rows = jnp.exp(jax.random.uniform(ks[0], (m, 1), minval=-69.0, maxval=69.0))
+  g = (jax.random.normal(ks[1], (m, n)) * rows).astype(jnp.bfloat16)
+  fl = jnp.exp(jax.random.normal(ks[2], (n,)) * 3)
+  fr = jnp.exp(jax.random.normal(ks[3], (m,)) * 3)
+  keys = (jax.random.key(1), jax.random.key(2))
+  lead = n // n_last
+  spec = lambda cw, method: qc.QuantizeSpec(qtype="int8", channelwise_axes=cw,
+                                            stochastic_rounding=method)
+
+  @jax.jit
+  def xla(g, fl, fr):
+    g2 = (g.astype(jnp.float32) * fl[None, :]).reshape(m, lead, n_last)
+    g3 = (g.astype(jnp.float32) * fr[:, None]).reshape(m, lead, n_last)
+    ql = qc.quantize(g2, spec((0,), methods[0]), key=keys[0])
+    qr = qc.quantize(g3, spec((1, 2), methods[1]), key=keys[1])
+    return (ql.qvalue.reshape(m, n), qr.qvalue.reshape(m, n).T, ql.scale.reshape(m),
+            qr.scale.reshape(n))
+
+  c_l, c_rt, s_l, s_r = xla(g, fl, fr)
+  seeds = jnp.stack([*rounding.hash_seeds(keys[0]), *rounding.hash_seeds(keys[1])])
+  k_l, k_rt = jax.jit(lambda *a: gp.grad_pair(
+      *a, qmin=-128, qmax=127, n_last=n_last, stochastic=tuple(x is not None for x in methods)))(
+          g, fl, fr, 1.0 / s_l, 1.0 / s_r, seeds)
+  np.testing.assert_array_equal(np.asarray(k_l), np.asarray(c_l))
+  np.testing.assert_array_equal(np.asarray(k_rt), np.asarray(c_rt))
+
+
+@pytest.mark.parametrize("m", [256, 1024])
+def test_gradient_pair_training_gradients_match_the_xla_path(m):
+  """A w8a8g8 ``low_bit_hash`` dot under "auto" (the pair kernel, and the Mosaic GEMM from
+  M = 512) gives the gradients of implementation="xla" (per-product quantization, XLA's
+  int8 GEMMs) bit for bit."""
+  gq = qops.GradQuant(qtype="int8", stochastic_rounding="low_bit_hash")
+  cfg = lambda impl: qops.DotGeneralQtConfig(
+      lhs=qops.OperandQuant(qtype="int8"), rhs=qops.OperandQuant(qtype="int8"),
+      dlhs_grad=gq, drhs_grad=gq, implementation=impl)
+  dn = (((1,), (0,)), ((), ()))
+  x = jax.random.normal(jax.random.key(0), (m, 512), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(jax.random.key(1), (512, 1024)) *
+       jnp.exp(jax.random.normal(jax.random.key(2), (1024,)))).astype(jnp.bfloat16)
+  cot = jax.random.normal(jax.random.key(3), (m, 1024))
+
+  def grads(impl):
+    f = lambda x, w: (qops.dot_general_qt(x, w, dn, cfg(impl), key=jax.random.key(4))
+                      .astype(jnp.float32) * cot).sum()
+    return jax.jit(jax.grad(f, (0, 1)))(x, w)
+  (gx, gw), (rx, rw) = grads("auto"), grads("xla")
+  np.testing.assert_array_equal(np.asarray(gx, np.float32), np.asarray(rx, np.float32))
+  np.testing.assert_array_equal(np.asarray(gw, np.float32), np.asarray(rw, np.float32))
