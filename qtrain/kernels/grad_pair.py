@@ -1,13 +1,15 @@
-"""The incoming gradient quantized for both backward products in one pass (Pallas Triton).
+"""The incoming gradient quantized for both backward products from two reads (Pallas Triton).
 
 A quantized dot's backward quantizes its incoming gradient ``g`` (M, N) twice: for the input
 gradient ``g @ w.T`` with the weight's per-column scale folded in and one scale per row, and
 for the weight gradient ``x.T @ g`` with the activation's per-row scale folded in and one scale
 per column, where the GEMM wants the codes transposed, (N, M), contraction minor. On XLA that
-is two reductions, two quantization passes that each read ``g`` and a transpose of the second
-pass's codes: about 12 bytes of traffic per element of a bf16 ``g``. Given the two scales (the
-reductions stay XLA's), this kernel reads each tile of ``g`` once and writes both codes, the
-second one transposed: 4 bytes per element.
+is two reductions and two quantization passes that each read ``g``, and a transpose of the
+second pass's codes. Here two kernels read ``g`` once each:
+
+* :func:`grad_pair_bounds`: the absmax bound of every row of ``g * fold_l`` and every column
+  of ``g * fold_r`` (as ``|.|`` bits, whose max is exact in any order);
+* :func:`grad_pair`: given the two scales, both code sets, the second written transposed.
 
 Per element, with ``fold_l`` (N,) / ``fold_r`` (M,) the folded residual scales and
 ``inv_l`` (M,) / ``inv_r`` (N,) the reciprocals of the two gradient scales::
@@ -17,10 +19,12 @@ Per element, with ``fold_l`` (N,) / ``fold_r`` (M,) the folded residual scales a
 
 each rounded to an integer qtype: to nearest (half to even), or stochastically with the bytes of
 :func:`qtrain.core.rounding.hash_words` of the element's word in the row-major order of ``g``'s
-own shape (``n_last``: the size of its last axis; the word of element ``(m, n)`` is found from
-its flat index), then clipped to ``[qmin, qmax]``. These are the operations and the order of
-:func:`qtrain.core.qarray.quantize` (XLA turns its ``x / scale`` into ``x * (1 / scale)``), so
-the codes are the XLA path's, bit for bit; :func:`grad_pair_reference` is that path in ``jnp``.
+own shape (``n_last``: the size of its last axis), then clipped to ``[qmin, qmax]``. These are
+:func:`qtrain.core.qarray.quantize`'s operations in its order, the division by the scale as a
+multiplication by its reciprocal, which is what XLA computes for ``x / broadcast(scale)`` (the
+tests compare the codes with XLA's quantization bit for bit, on the CPU in the interpreter and
+on a GPU); :func:`grad_pair_reference` and :func:`grad_pair_bounds_reference` are the kernels
+in ``jnp``.
 
 Example:
   >>> import jax, jax.numpy as jnp, numpy as np

@@ -234,7 +234,7 @@ def _backward_dot(g_in, y_in, dims, perm, *, g_dtype, y_dtype, float_values: boo
 
 
 # ----------------------------------------------------------------------------
-# Both gradient quantizations of a 2-D-like product from one read of g (a GPU kernel).
+# Both gradient quantizations of a 2-D-like product from two reads of g (GPU kernels).
 
 
 def _pair_grad_ok(gq) -> bool:
@@ -269,12 +269,13 @@ def _pair_kernels(g2d, s_l, s_r, ql_spec, qr_spec, seeds, *, interpret: bool, **
 
 
 def _grad_pair(g, lres, rres, dn, config, k_l, k_r):
-  """Both backward products' quantized gradients from one pass over ``g``, or None where the
-  kernel does not apply (then each product quantizes its own, :func:`backward_product`).
+  """Both backward products' quantized gradients by :mod:`qtrain.kernels.grad_pair`, or None
+  where its kernels do not apply (then each product quantizes its own, :func:`backward_product`).
 
   Applies to a product without batch axes whose operands are both quantized with scales that
   fold into ``g`` (per row / per column or per tensor), both gradients per
-  :func:`_pair_grad_ok`, a gradient of (M, N) = (lhs free, rhs free) sizes the kernel tiles,
+  :func:`_pair_grad_ok` and of one qtype, a gradient of (M, N) = (lhs free, rhs free) sizes
+  the kernels tile,
   on one device (the kernel has no per-shard rule), with a kernel implementation ("auto" on a
   CUDA lowering, "triton", "mosaic", or "interpret" in the Pallas interpreter).
 
@@ -286,8 +287,9 @@ def _grad_pair(g, lres, rres, dn, config, k_l, k_r):
   (lc, rc), (lb, rb) = dn
   gq_l, gq_r = config.dlhs_grad, config.drhs_grad
   if (impl == "xla" or lb or gq_l is None or gq_r is None or not _pair_grad_ok(gq_l)
-      or not _pair_grad_ok(gq_r) or not qdot.is_quantized(lres.value)
-      or not qdot.is_quantized(rres.value) or jax.device_count() != 1):
+      or not _pair_grad_ok(gq_r) or gq_l.qtype != gq_r.qtype
+      or not qdot.is_quantized(lres.value) or not qdot.is_quantized(rres.value)
+      or jax.device_count() != 1):
     return None
   lq, rq = lres.value, rres.value
   nl = lq.ndim - len(lc)
@@ -305,8 +307,6 @@ def _grad_pair(g, lres, rres, dn, config, k_l, k_r):
   (s_r, y_r) = (jnp.ones((m,), jnp.float32), lq) if fold_r is _NO_FOLD else fold_r
   s_l, s_r = jnp.reshape(s_l, (n,)), jnp.reshape(s_r, (m,))
   qt = gq_l.qtype
-  if gq_r.qtype != qt:
-    return None
   spec = lambda gq, cw: qa.QuantizeSpec(qtype=qt, channelwise_axes=cw, calibration=gq.calibration,
                                         stochastic_rounding=gq.stochastic_rounding)
   ql_spec, qr_spec = spec(gq_l, free_l), spec(gq_r, free_r)
