@@ -1170,6 +1170,7 @@ PAIR_CASES = [  # (lhs shape, rhs shape, dimension numbers): layouts whose g til
     ((2, 64, 32), (32, 4, 32), (((2,), (0,)), ((), ()))),    # DenseGeneral: two free axes each
     ((64, 32), (128, 32), (((1,), (1,)), ((), ()))),         # x @ W.T
     ((32, 128), (32, 64), (((0,), (0,)), ((), ()))),         # x.T @ W
+    ((2, 64, 4, 16), (4, 16, 64), (((2, 3), (0, 1)), ((), ()))),  # attention's out projection
 ]
 
 
