@@ -44,6 +44,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -141,8 +142,11 @@ def grad_pair_bounds_reference(g, fold_l, fold_r):
   return _tile_bounds(g, fold_l, fold_r)
 
 
+# A jit boundary per signature: a decoder's step calls each shape once per layer, and each call
+# would otherwise trace the kernel again (lowering time).
+@functools.partial(jax.jit, static_argnames=("interpret", "block", "num_warps"))
 def grad_pair_bounds(g, fold_l, fold_r, *, interpret: bool = False, block: int = BLOCK,
-                     num_warps: int = NUM_WARPS, strip: int = 1):
+                     num_warps: int = NUM_WARPS):
   """The absmax bounds of both folded gradients from one read of ``g``.
 
   Returns ``(rows (M,), cols (N,))`` int32: the bits of ``max_n |g[m, n] * fold_l[n]|`` and of
@@ -155,31 +159,21 @@ def grad_pair_bounds(g, fold_l, fold_r, *, interpret: bool = False, block: int =
   if why is not None:
     raise ValueError(f"grad_pair_bounds: {why}")
 
-  if (n // block) % strip:
-    raise ValueError(f"grad_pair_bounds: strip={strip} does not divide the {n // block} column "
-                     "tiles")
-  width = block * strip  # columns per program, walked tile by tile
-
   def kernel(g_ref, fl_ref, fr_ref, r_ref, c_ref):
-    def step(t, r):
-      cols = pl.ds(t * block, block)
-      r_t, c_t = _tile_bounds(g_ref[:, cols], fl_ref[cols], fr_ref[...])
-      c_ref[cols] = c_t
-      return jnp.maximum(r, r_t)
-    r_ref[...] = lax.fori_loop(0, strip, step, jnp.zeros((block,), jnp.int32))
+    r_ref[...], c_ref[...] = _tile_bounds(g_ref[...], fl_ref[...], fr_ref[...])
 
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     rows, cols = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((n // width, m), jnp.int32),
+        out_shape=(jax.ShapeDtypeStruct((n // block, m), jnp.int32),
                    jax.ShapeDtypeStruct((m // block, n), jnp.int32)),
-        grid=(m // block, n // width),
-        in_specs=[pl.BlockSpec((block, width), lambda i, j: (i, j)),
-                  pl.BlockSpec((width,), lambda i, j: (j,)),
+        grid=(m // block, n // block),
+        in_specs=[pl.BlockSpec((block, block), lambda i, j: (i, j)),
+                  pl.BlockSpec((block,), lambda i, j: (j,)),
                   pl.BlockSpec((block,), lambda i, j: (i,))],
         out_specs=(pl.BlockSpec((None, block), lambda i, j: (j, i)),
-                   pl.BlockSpec((None, width), lambda i, j: (i, j))),
+                   pl.BlockSpec((None, block), lambda i, j: (i, j))),
         compiler_params=_common.triton_params(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="qtrain_grad_pair_bounds",
@@ -195,6 +189,8 @@ def grad_pair_reference(g, fold_l, fold_r, inv_l, inv_r, seeds, *, qmin: float, 
   return c_l, c_r.T
 
 
+@functools.partial(jax.jit, static_argnames=("qmin", "qmax", "n_last", "stochastic", "interpret",
+                                             "block", "num_warps"))
 def grad_pair(g, fold_l, fold_r, inv_l, inv_r, seeds, *, qmin: float, qmax: float, n_last: int,
               stochastic: tuple[bool, bool], interpret: bool = False, block: int = BLOCK,
               num_warps: int = NUM_WARPS):
