@@ -49,12 +49,24 @@ What it freezes, and how the frozen model runs:
   the same way (their kernels are ``(K, N)`` / HWIO too); any other module
   at a frozen path raises at inference: freeze such models with the provider.
 
-What cannot be frozen (freeze raises, naming the layer): layers
-stacked by ``nn.scan`` / ``nn.vmap`` / ``nnx.scan`` / ``nnx.vmap`` (the op
-sees one slice of the parameter); an op whose weight is computed from a
+nnx specifics: a user module's own calls (``jnp.einsum``, ``jax.lax.dot_general``,
+``conv_general_dilated``, ``@`` / ``jnp.matmul`` / ``jnp.dot`` ...) freeze like a layer's
+op: each quantized call's :class:`FrozenOp` sits on the module under the call's op id
+(``einsum0``), the parameter it took becomes a :class:`Placeholder` (passed as it is, it
+reads as NaNs), and the module's calls are handed to their frozen ops in the order the
+sample forward numbered them (a call that now takes another parameter raises). Layers
+stacked by ``nnx.vmap`` (run by ``nnx.scan`` / ``nnx.vmap``) freeze layer by layer: the
+frozen op's arrays carry the stack's leading axes (:attr:`FrozenOp.stack`), so the scan
+slices them with the layer's other state, and each layer's codes and scales are those its
+QT op computed (static input scales one per layer).
+
+What cannot be frozen (freeze raises, naming the layer): linen layers
+stacked by ``nn.scan`` / ``nn.vmap`` (the op sees one slice of the
+parameter); an op whose weight is computed from a
 parameter (a masked convolution's ``kernel * mask``, an einsum that sums
 weight axes first); an op of a module with several parameters of the
-weight's shape, none named ``kernel``. A module's own op must pass the
+weight's shape, none named ``kernel``; a quantized ``ragged_dot``; a stacked
+nnx layer with a LoRA adapter (merge it first). A module's own op must pass the
 parameter itself as its weight (as the QT forward's interception expects).
 
 ``implementation`` (the rules' names, :data:`IMPLEMENTATIONS`):
@@ -472,6 +484,9 @@ class Placeholder:
   def get_value(self):
     return self[...]
 
+  def __jax_array__(self):  # passed as it is to a module's own product (jnp.einsum(x, self.w))
+    return self[...]
+
 
 class FrozenOp(nnx.Module):
   """The op an nnx layer calls in place of its ``dot_general`` / ``einsum_op`` /
@@ -485,9 +500,16 @@ class FrozenOp(nnx.Module):
   """
 
   def __init__(self, layer: FrozenLayer, *, path: str, op_name: str, implementation: str = "auto",
-               adapter=None, weight_quant=None):
+               adapter=None, weight_quant=None, op_id: str | None = None,
+               stack: tuple[int, ...] = ()):
     self.path = path
     self.op_name = op_name
+    # A module's own (direct) call: its op id, the attribute this op sits under; None for a
+    # layer's op attribute.
+    self.op_id = op_id
+    # A layer stacked by nnx.vmap (run by nnx.scan / nnx.vmap): the stack's shape, the leading
+    # axes of each array of ``layer`` (sliced with the layer's parameters); () otherwise.
+    self.stack = tuple(int(d) for d in stack)
     # How the weight was quantized (an OperandQuant, static): what re-freezes it from other
     # float weights (qtrain.qwix.quantize_params); None for layers loaded from older files.
     self.weight_quant = _static(weight_quant)
@@ -544,7 +566,28 @@ class FrozenOp(nnx.Module):
                          "several contracting axes is not rebuilt here: freeze the model instead)")
     return layer
 
+  @property
+  def weight_operand(self) -> int:
+    """The weight's operand index in the op (1 for a layer's op)."""
+    return self.spec.weight_operand
+
   def __call__(self, *args, **kwargs):
+    # The product's own jax.lax / jnp calls must not reach a frame of the calling module.
+    with _intercept.sentinel():
+      return self._call(args, kwargs, 1)
+
+  def direct(self, op_name: str, args, kwargs, weight_operand: int):
+    """A module's own call of this op (``jnp.einsum`` / ``jax.lax.dot_general`` / ``@`` ...
+    in its code; ``args`` / ``kwargs`` as the op takes them), its weight operand
+    ``weight_operand``: the product from the frozen weight."""
+    if op_name != self.op_name:
+      raise _frozen._mismatch(_where(self.path, self.op_id),
+                              f"it was frozen as a {self.op_name} call, now called as {op_name}")
+    with _intercept.sentinel():
+      return self._call(args, kwargs, weight_operand)
+
+  def _call(self, args, kwargs, weight_operand: int):
+    kwargs = dict(kwargs)
     out_sharding = kwargs.pop("out_sharding", None)
     if self.op_name == "einsum":  # (subscripts, *operands)
       head, operands, tail = args[:1], args[1:], ()
@@ -554,7 +597,7 @@ class FrozenOp(nnx.Module):
 
     def frozen(*ops_and_carried):
       *ops, (layer, adapter) = ops_and_carried
-      return self._product(layer, adapter, *head, *ops, *tail, **kwargs)
+      return self._product(layer, adapter, weight_operand, *head, *ops, *tail, **kwargs)
     if placement.needs_placement(out_sharding):
       # The float op this one replaces, for where it would place its result.
       original = _intercept.original(self.op_name)
@@ -564,24 +607,26 @@ class FrozenOp(nnx.Module):
           out_sharding=out_sharding, carried=carried)
     return frozen(*operands, carried)
 
-  def _product(self, layer, adapter, *args, **kwargs):
-    where = _where(self.path)
+  def _product(self, layer, adapter, weight_operand, *args, **kwargs):
+    where = _where(self.path, self.op_id)
     if self.op_name == "dot_general":
-      return self._dot_general(layer, adapter, *args, **kwargs)
+      return self._dot_general(layer, adapter, weight_operand, *args, **kwargs)
     if self.op_name == "einsum":
       subscripts, *operands = args
-      return _frozen.einsum(layer, subscripts, operands, kwargs, weight_operand=1,
+      return _frozen.einsum(layer, subscripts, operands, kwargs, weight_operand=weight_operand,
                             implementation=self.implementation, where=where, adapter=adapter)
+    if weight_operand != 1:
+      raise _frozen._mismatch(where, f"its kernel is operand {weight_operand}, frozen as 1")
     return _frozen.conv_general_dilated(layer, *args, **kwargs,
                                         implementation=self.implementation, where=where)
 
-  def _dot_general(self, layer, adapter, lhs, rhs, dimension_numbers, precision=None,
-                   preferred_element_type=None):
+  def _dot_general(self, layer, adapter, weight_operand, lhs, rhs, dimension_numbers,
+                   precision=None, preferred_element_type=None):
     del precision  # a product of quantized values has its own (the QT op's) precision
     return _frozen.dot_general(layer, lhs, rhs, dimension_numbers,
-                               preferred_element_type=preferred_element_type, weight_operand=1,
-                               implementation=self.implementation, where=_where(self.path),
-                               adapter=adapter)
+                               preferred_element_type=preferred_element_type,
+                               weight_operand=weight_operand, implementation=self.implementation,
+                               where=_where(self.path, self.op_id), adapter=adapter)
 
   def _adapter(self):
     if getattr(self, "lora_a", None) is None:
@@ -595,31 +640,117 @@ _NNX_HOOKS = ("dot_general", "einsum_op", "conv_general_dilated")
 
 
 def _nnx_hooks(model, cls):
-  """(path, owner module, attribute, op) of every ``cls`` op attribute in ``model``."""
+  """(path, owner module, attribute, op) of every ``cls`` op in ``model``: a layer's op
+  attribute (``dot_general``, ``einsum_op``, ``conv_general_dilated``) or a module's direct
+  call's op, kept under its op id (``einsum0``)."""
   out = []
   for path, node in nnx.iter_graph(model):
     if not isinstance(node, nnx.Module):
       continue
-    for attr in _NNX_HOOKS:
-      op = vars(node).get(attr)
+    for attr, op in vars(node).items():
       if isinstance(op, cls):
         out.append(("/".join(str(p) for p in path), node, attr, op))
   return out
 
 
+def _frozen_site(frame, op_name: str, op_id: str, operands):
+  """(the frozen op, its weight operand) of a direct call of a frozen nnx model's module: the
+  op kept under the call's op id; (None, None) for a call left float (it has none)."""
+  op = vars(frame.module).get(op_id)
+  if op is None:
+    return None, None
+  where = f"the {op_name} call {op_id!r} of frozen nnx module {frame.path or '<root>'!r}"
+  if not callable(getattr(op, "direct", None)):
+    raise ValueError(f"{where}: the module's attribute {op_id!r} is a {type(op).__name__}, not "
+                     "the call's frozen op")
+  w = op.weight_operand
+  _, param = hosts.nnx_weight_operand(frame.module, operands[w:w + 1])
+  if param is not None:  # a parameter the module still holds: not the frozen weight
+    raise ValueError(f"{where} takes parameter {param!r} as its weight, and was frozen from "
+                     f"{op.spec.param!r} (calls are told apart by their order: run them in the "
+                     "order of the sample forward)")
+  return op, w
+
+
+class _FrozenDirectCalls:
+  """The provider of a frozen nnx model's direct calls (:func:`_frozen_site` finds each call's
+  frozen op): a frozen call computes from its frozen weight, every other call runs float."""
+
+  def note_skipped(self, *args, **kwargs) -> None:  # a form left float: float here too
+    pass
+
+  def dot_general(self, host, path, op_id, lhs, rhs, dimension_numbers, precision=None,
+                  preferred_element_type=None, *, weight_operand, fallback, out_sharding=None,
+                  **_):
+    kw = {} if out_sharding is None else {"out_sharding": out_sharding}
+    if host is None:
+      return fallback(lhs, rhs, dimension_numbers, precision=precision,
+                      preferred_element_type=preferred_element_type, **kw)
+    return host.direct("dot_general", (lhs, rhs, dimension_numbers),
+                       dict(precision=precision, preferred_element_type=preferred_element_type,
+                            **kw), weight_operand)
+
+  def einsum(self, host, path, op_id, subscripts, operands, kwargs, *, weight_operand, fallback):
+    if host is None:
+      return fallback(subscripts, *operands, **kwargs)
+    return host.direct("einsum", (subscripts, *operands), kwargs, weight_operand)
+
+  def conv_general_dilated(self, host, path, op_id, lhs, rhs, *args, weight_operand, fallback,
+                           out_sharding=None, **kwargs):
+    kw = {} if out_sharding is None else {"out_sharding": out_sharding}
+    if host is None:
+      return fallback(lhs, rhs, *args, **kwargs, **kw)
+    return host.direct("conv_general_dilated", (lhs, rhs, *args), {**kwargs, **kw},
+                       weight_operand)
+
+  def ragged_dot(self, host, path, op_id, lhs, rhs, group_sizes, *, float_call, **_):
+    if host is None:
+      return float_call()
+    raise ValueError(f"frozen nnx module {path or '<root>'!r}: its attribute {op_id!r} is "
+                     "taken by a ragged_dot call, which is never frozen")
+
+
+FROZEN_DIRECT_CALLS = _FrozenDirectCalls()
+
+
+def _stack_of(node, op, rec) -> tuple[int, ...]:
+  """The stack shape of a layer stacked by nnx.vmap (run by nnx.scan / nnx.vmap): the leading
+  axes its weight parameter has beyond the weight operand its op saw; () for a plain layer."""
+  if rec.contraction is None:
+    return ()
+  shapes = rec.contraction[-2]
+  w_shape = tuple(shapes[{"lhs": 0, "rhs": 1}[rec.weight_operand]])
+  if op.weight_param is not None:
+    shape = tuple(jnp.shape(variable_get(vars(node)[op.weight_param])))
+    return shape[:len(shape) - len(w_shape)] if shape[len(shape) - len(w_shape):] == w_shape \
+        else ()
+  return model_lib._observed_stack_shape(node, w_shape) or ()
+
+
+def _index(tree, idx):
+  return jax.tree.map(lambda a: a[idx], tree)
+
+
+def stack_layers(layers: list, stack: tuple[int, ...], where: str) -> FrozenLayer:
+  """The frozen layers of a stack's layers (in ``np.ndindex(stack)`` order) as one layer whose
+  arrays have the stack's leading axes (what nnx.scan / nnx.vmap slice)."""
+  first = jax.tree.structure(layers[0])
+  for i, layer in enumerate(layers):
+    if jax.tree.structure(layer) != first:
+      raise ValueError(f"freeze: layer {where!r}: the layers of its stack {stack} freeze "
+                       f"differently (layer {i}: {jax.tree.structure(layer)}, layer 0: {first}); "
+                       "a stack's layers must all be calibrated (or all not)")
+  return jax.tree.map(lambda *a: jnp.stack(a).reshape(stack + a[0].shape), *layers)
+
+
+def unstack_layer(layer: FrozenLayer, stack: tuple[int, ...]) -> list:
+  """The per-layer frozen layers of a stacked one (``np.ndindex(stack)`` order)."""
+  return [_index(layer, idx) for idx in np.ndindex(*stack)] if stack else [layer]
+
+
 def _freeze_nnx(model, provider=None):
 
   frozen = nnx.clone(model)
-  direct = model_lib.direct_ops(frozen)
-  if direct:
-    listing = provider_lib._listing(direct)
-    raise ValueError(
-        f"freeze: nnx modules of this model quantize direct calls ({listing}: "
-        "jnp.einsum / jax.lax.dot_general / conv_general_dilated / @ / jnp.dot in their own code), "
-        "which "
-        "freeze does not take yet: compute those products with nnx.Linear / nnx.Einsum / "
-        "nnx.Conv, or keep the op as an attribute (self.dot_general = jax.lax.dot_general); "
-        "or keep them float with a first rule that sets no qtype")
   hooks = _nnx_hooks(frozen, model_lib.QtOp)
   if not hooks:
     raise ValueError("freeze: this nnx model has no quantized op: quantize it with "
@@ -631,39 +762,84 @@ def _freeze_nnx(model, provider=None):
                        f"another provider than the one given ({provider!r})")
     recs.update({(r.path, r.op_id): r for r in _records(op.provider)})
   for _, node, attr, op in hooks:
-    op_id = f"{op.op_name}0"
-    where = _where(op.path, op_id)
-    rec = recs.get((op.path, op_id))
+    direct = op.weight_param is not None  # a module's own call, kept under its op id
+    where = _where(op.path, op.op_id)
+    rec = recs.get((op.path, op.op_id))
     if rec is None:
       raise ValueError(f"freeze: the op of nnx module {where!r} has not run yet: call the model "
                        "once (or pass sample inputs to quantize_model) before freezing")
     if rec.status != provider_lib.QUANTIZED:  # left in float by the QT model: float here too
       if getattr(op, lora_ops.A_NAME, None) is not None:  # its adapter folds into its weight
         lora_lib.fold_nnx_op(node, op, where)
-      setattr(node, attr, _static(op.original))
+      if direct:
+        delattr(node, attr)
+      else:
+        setattr(node, attr, _static(op.original))
       continue
     _check_unmasked(node, where)
     params = {k: variable_get(v) for k, v in vars(node).items()
               if isinstance(v, nnx.Param) and not isinstance(v, nnx.LoRAParam)}
+    if direct:  # the parameter the call took (the module may have others of its shape)
+      params = {op.weight_param: params[op.weight_param]}
     state = {n: variable_get(getattr(op, n)) for n in _STATE_NAMES if getattr(op, n, None) is not None}
     owner = getattr(op, "stat_owner", None)
+    stats = None
     if owner is not None:  # statistics kept on the layer (qtrain.qwix's provider)
       stats = {k: variable_get(v) for k, v in vars(owner).items()
                if isinstance(v, model_lib.QuantStat)}
+    elif direct:  # a direct call keeps its statistics on its op (qtrain.qwix's: <side>)
+      stats = {f"{op.op_id}_{k}": variable_get(v) for k, v in vars(op).items()
+               if isinstance(v, model_lib.QuantStat)}
+
+    def with_stats(state, stats):  # the op's state plus what its statistics give
+      if stats is None:
+        return state, []
       static_state, names = _static_state(op.provider, stats, rec)
-      state.update({k: v for k, v in static_state.items() if v is not None})
+      return {**state, **{k: v for k, v in static_state.items() if v is not None}}, names
+    stack = _stack_of(node, op, rec)
+    if stack:  # one layer per index of the stack, arrays stacked as the parameters are
+      layers = []
+      for idx in np.ndindex(*stack):
+        p_i = {k: v[idx] for k, v in params.items() if tuple(jnp.shape(v))[:len(stack)] == stack}
+        s_i = {k: (None if v is None else _stacked_state(v, stack, idx, k, where))
+               for k, v in state.items()}
+        st_i = None if stats is None else {
+            k: jax.tree.map(lambda a, k=k: _stacked_state(a, stack, idx, k, where), v)
+            for k, v in stats.items()}
+        s_i, names = with_stats(s_i, st_i)
+        layers.append(_from_record(rec, op.provider, p_i, s_i, f"{where}[{idx}]"))
+      layer = stack_layers(layers, stack, where)
+      spec_layer = layers[0]
+    else:
+      state, names = with_stats(state, stats)
+      layer = spec_layer = _from_record(rec, op.provider, params, state, where)
+    if owner is not None:  # the layer keeps them no more: the frozen op has what they gave
       for k in names:
         delattr(node, k)
-    layer = _from_record(rec, op.provider, params, state, where)
     adapter = None
     if layer.lora is not None:
+      if stack:
+        raise ValueError(f"freeze: layer {where!r} is one of a stack {stack} and keeps a LoRA "
+                         "adapter: merge it (qtrain.lora.merge) before freezing a stack")
       adapter = (op.lora_a, op.lora_b, getattr(op, "lora_dropout_rng", None))
     fop = FrozenOp(layer, path=op.path, op_name=op.op_name, adapter=adapter,
-                   weight_quant=_weight_quant(rec, op.provider))
+                   weight_quant=_weight_quant(rec, op.provider),
+                   op_id=op.op_id if direct else None, stack=stack)
     fop.deterministic = op.deterministic
     setattr(node, attr, _data(fop))
-    setattr(node, layer.param, _static(Placeholder(layer.kernel_shape, layer.param_dtype)))
+    setattr(node, spec_layer.param,
+            _static(Placeholder(spec_layer.kernel_shape, spec_layer.param_dtype)))
+  model_lib.reframe_direct_calls(frozen, FROZEN_DIRECT_CALLS, _frozen_site)
   return frozen
+
+
+def _stacked_state(v, stack, idx, name, where):
+  """Layer ``idx``'s value of an op's state ``v`` kept for a stack (leading axes ``stack``)."""
+  v = jnp.asarray(v)
+  if tuple(v.shape[:len(stack)]) != tuple(stack):
+    raise ValueError(f"freeze: layer {where!r} is one of a stack {stack}, and its state {name!r} "
+                     f"has shape {tuple(v.shape)}, not one per layer")
+  return v[idx]
 
 
 # ----------------------------------------------------------------------------
@@ -952,9 +1128,22 @@ def _tree_nbytes(tree) -> int:
 
 
 def _frozen_layers(frozen) -> dict:
+  """key -> frozen layer (a stacked nnx layer's arrays with the stack's leading axes); nnx
+  keys: the module path, ``<path>:<op id>`` for a module's direct call."""
   if isinstance(frozen, nnx.Module):
-    return {op.path: op.layer for _, _, _, op in _nnx_hooks(frozen, FrozenOp)}
+    return {op.path if op.op_id is None else f"{op.path}:{op.op_id}": op.layer
+            for _, _, _, op in _nnx_hooks(frozen, FrozenOp)}
   return frozen["layers"]
+
+
+def _stack_size(frozen, key) -> int:
+  """How many layers the frozen layer ``key`` stands for (a stack's, nnx)."""
+  if not isinstance(frozen, nnx.Module):
+    return 1
+  for _, _, _, op in _nnx_hooks(frozen, FrozenOp):
+    if (op.path if op.op_id is None else f"{op.path}:{op.op_id}") == key:
+      return int(np.prod(op.stack))
+  return 1  # pragma: no cover
 
 
 def layer_sizes(frozen, variables=None) -> dict:
@@ -971,7 +1160,7 @@ def layer_sizes(frozen, variables=None) -> dict:
   """
   out = {}
   for key, l in _frozen_layers(frozen).items():
-    nw = int(np.prod(l.kernel_shape))
+    nw = int(np.prod(l.kernel_shape)) * _stack_size(frozen, key)
     extra = [l.bias, l.scale_a, l.bias_a]
     fp32 = 4 * nw + sum(4 * int(np.prod(np.shape(e))) for e in extra if e is not None)
     fb = sum(_nbytes(getattr(l, f)) for f in _ARRAY_FIELDS)
@@ -1007,7 +1196,8 @@ def save_frozen(directory: str, frozen, *, force: bool = False) -> None:
     state = nnx.to_pure_dict(nnx.state(frozen))
     meta = {"format": _FORMAT, "nnx": [
         {"owner": owner, "attr": attr, "path": op.path, "op_name": op.op_name,
-         "layer": op.layer.meta()} for owner, _, attr, op in ops]}
+         "op_id": op.op_id, "stack": list(op.stack), "layer": op.layer.meta()}
+        for owner, _, attr, op in ops]}
     arrays = {"state": state}
   else:
     arrays = {"layers": {_esc(p): {f: getattr(l, f) for f in _ARRAY_FIELDS
@@ -1074,6 +1264,8 @@ def load_frozen(directory: str, model=None):
 
 def _load_nnx(model, ops_meta, state):
   frozen = nnx.clone(model)
+  if any(m.get("op_id") is not None for m in ops_meta):  # direct calls: their modules in frames
+    model_lib.reframe_direct_calls(frozen, FROZEN_DIRECT_CALLS, _frozen_site)
   nodes = {"/".join(str(p) for p in path): node for path, node in nnx.iter_graph(frozen)
            if isinstance(node, nnx.Module)}
   for m in ops_meta:
@@ -1095,7 +1287,8 @@ def _load_nnx(model, ops_meta, state):
                  nnx.RngStream(jax.random.key(0), tag=provider_lib.DROPOUT_STREAM)
                  if "lora_dropout_rng" in saved else None)
     setattr(node, m["attr"], _data(FrozenOp(layer, path=m["path"], op_name=m["op_name"],
-                                            adapter=adapter)))
+                                            adapter=adapter, op_id=m.get("op_id"),
+                                            stack=tuple(m.get("stack", ())))))
     setattr(node, layer.param, _static(Placeholder(layer.kernel_shape, layer.param_dtype)))
   graphdef, abstract = nnx.split(frozen)
   nnx.replace_by_pure_dict(abstract, jax.tree.map(jnp.asarray, state))

@@ -467,9 +467,9 @@ def _act_ndim(rec) -> int:
   return len(shapes[1 - w_idx])
 
 
-def _weight_how(key: str, layer: FrozenLayer, weight_quant) -> layout.WeightHow:
+def _weight_how(key: str, layer: FrozenLayer, weight_quant, stack=()) -> layout.WeightHow:
   spec = dataclasses.replace(layer, **{f: None for f in _frozen.ARRAY_FIELDS})
-  return layout.WeightHow(key=key, spec=spec, weight_quant=weight_quant)
+  return layout.WeightHow(key=key, spec=spec, weight_quant=weight_quant, stack=tuple(stack))
 
 
 def _get_path(tree, path: tuple):
@@ -840,25 +840,62 @@ class PtqOp(nnx.Module):
         zero = layout.unbox(getattr(self.owner, _zero_point_name(self.scale_name)))
     return layout.to_frozen(self.how, weight, scale, zero)
 
+  @property
+  def spec(self) -> FrozenLayer:
+    """The frozen layer's metadata (no arrays)."""
+    return self.how.spec
+
+  @property
+  def weight_operand(self) -> int:
+    """The weight's operand index in the op (1 for a layer's op)."""
+    return self.how.spec.weight_operand
+
   def __call__(self, *args, **kwargs):
+    # The product's own jax.lax / jnp calls must not reach a frame of the calling module.
+    with _intercept.sentinel():
+      return self._product(args, kwargs, 1)
+
+  def direct(self, op_name: str, args, kwargs, weight_operand: int):
+    """A module's own call of this op (``jnp.einsum(..., x, self.w)`` in its code), its weight
+    (the :class:`WithAux` / :class:`QArray`) operand ``weight_operand``."""
+    where = f"{self.path or '<root>'} ({self.how.spec.op_id})"
+    if op_name != self.op_name:
+      raise ValueError(f"PTQ call {where!r} was quantized as a {self.op_name} call, now called "
+                       f"as {op_name}")
+    with _intercept.sentinel():
+      return self._product(args, kwargs, weight_operand)
+
+  def _product(self, args, kwargs, w_idx: int):
+    kwargs = dict(kwargs)
     if kwargs.pop("out_sharding", None) is not None:
       raise NotImplementedError(f"PTQ layer {self.path!r}: out_sharding is not supported")
     spec = self.how.spec
     stand_in = freeze_lib.Placeholder(spec.kernel_shape, spec.param_dtype)[...]
     where = self.path or "<root>"
+
+    def split(ops):  # (frozen layer, operands with the weight's stand-in)
+      ops = list(ops)
+      layer, ops[w_idx] = self._layer(ops[w_idx]), stand_in
+      return layer, tuple(ops)
     if self.op_name == "dot_general":
-      lhs, rhs, dn, *rest = args
+      (lhs, rhs), (dn, *rest) = args[:2], args[2:]
       kwargs.pop("precision", None)
       if rest:
         rest = rest[1:]  # precision: a product of quantized values has the QT op's own
-      return _frozen.dot_general(self._layer(rhs), lhs, stand_in, dn, *rest, weight_operand=1,
+      layer, (lhs, rhs) = split((lhs, rhs))
+      return _frozen.dot_general(layer, lhs, rhs, dn, *rest, weight_operand=w_idx,
                                  implementation=self.implementation, where=where, **kwargs)
     if self.op_name == "einsum":
-      subscripts, lhs, rhs = args
-      return _frozen.einsum(self._layer(rhs), subscripts, (lhs, stand_in), kwargs,
-                            weight_operand=1, implementation=self.implementation, where=where)
+      subscripts, *operands = args
+      layer, operands = split(operands)
+      return _frozen.einsum(layer, subscripts, operands, kwargs, weight_operand=w_idx,
+                            implementation=self.implementation, where=where)
+    if w_idx != 1:
+      raise ValueError(f"PTQ layer {where!r}: a convolution's kernel is its operand 1, not "
+                       f"{w_idx}")
     lhs, rhs, *rest = args
-    return _frozen.conv_general_dilated(self._layer(rhs), lhs, stand_in, *rest, **kwargs,
+    layer, (lhs, rhs) = split((lhs, rhs))
+    return _frozen.conv_general_dilated(layer, lhs, rhs, *rest, **kwargs,
                                         implementation=self.implementation, where=where)
 
 
@@ -895,24 +932,29 @@ def _to_qwix_nnx(frozen, source, provider: PtqProvider):
   nodes = {"/".join(str(p) for p in path): node for path, node in nnx.iter_graph(source)
            if isinstance(node, nnx.Module)}
   for path, node, attr, fop in freeze_lib._nnx_hooks(frozen, freeze_lib.FrozenOp):
-    layer = fop.layer
-    _check_qwix_layer(layer, path or "<root>")
+    stack = fop.stack
+    layers = freeze_lib.unstack_layer(fop.layer, stack)  # a stack's: one per layer
+    layer = layers[0]
+    key = path if fop.op_id is None else f"{path}:{fop.op_id}"
+    _check_qwix_layer(layer, key or "<root>")
     orig = vars(nodes[path]).get(layer.param)
-    q = layout.to_qarray(layer, fop.weight_quant)
+    q = layout.stack_qarrays([layout.to_qarray(l, fop.weight_quant) for l in layers], stack)
     wrapped = QArray(qvalue=_wrap_like(orig, q.qvalue), scale=_wrap_like(orig, q.scale),
                      zero_point=None if q.zero_point is None else _wrap_like(orig, q.zero_point),
                      qtype=q.qtype)
-    how = _weight_how(path, layer, fop.weight_quant)
+    how = _weight_how(key, layer, fop.weight_quant, stack)
     scale_name = None
     if (layer.act_dict or {}).get("scale") == "given":
       scale_name = f"{layer.op_id}_{_act_side(layer)}_scale"
       qt, ndim = layer.act_dict["qtype"], _nnx_act_ndim(source, fop)
+      lead = (1,) * ndim
+      scale = jnp.stack([layout.static_scale_array(l.scale_a, ndim) for l in layers])
       setattr(node, scale_name, freeze_lib._data(WithAux(
-          nnx.Param(layout.static_scale_array(layer.scale_a, ndim)),
-          layout.ScaleHow(key=path, qtype=qt, zero_point=layer.zero_a is not None))))
+          nnx.Param(scale.reshape(stack + lead)),
+          layout.ScaleHow(key=key, qtype=qt, zero_point=layer.zero_a is not None))))
       if layer.zero_a is not None:
-        setattr(node, _zero_point_name(scale_name),
-                nnx.Param(layout.static_zero_point_array(layer.zero_a, ndim, qt)))
+        zero = jnp.stack([layout.static_zero_point_array(l.zero_a, ndim, qt) for l in layers])
+        setattr(node, _zero_point_name(scale_name), nnx.Param(zero.reshape(stack + lead)))
     setattr(node, layer.param, freeze_lib._data(WithAux(wrapped, how)))
     op = PtqOp(how, path=fop.path, op_name=fop.op_name, implementation=provider.implementation,
                owner=node, scale_name=scale_name)
@@ -932,7 +974,7 @@ def _nnx_act_ndim(source, fop) -> int:
   for _, node in nnx.iter_graph(source):
     if isinstance(node, model_lib.QtOp) and node.path == fop.path:
       for r in node.provider.records():
-        if r.path == fop.path and r.op_id == node.op_id and r.contraction is not None:
+        if r.path == fop.path and r.op_id == fop.spec.op_id and r.contraction is not None:
           return _act_ndim(r)
   return 2
 
@@ -1043,6 +1085,8 @@ def _quantize_params_nnx(params: Mapping, model, quant_stats, allow_extra_params
       continue
     stat_path = owner + (op.scale_name[:-len("_scale")],)
     stat = stats.pop(stat_path, None)
+    if stat is None and op.spec.op_id is not None:  # a direct call's: on its op, <op id>/<side>
+      stat = stats.pop(owner + tuple(op.scale_name[:-len("_scale")].rsplit("_", 1)), None)
     if stat is None:
       raise ValueError(f"quantize_params: layer {'/'.join(owner) or '<root>'!r} keeps a static "
                        f"input scale: pass the QT model's quant_stats "

@@ -115,6 +115,8 @@ class WithAux:
 
 for _cls in (QArray, WithAux):
   nnx.register_data_type(_cls)
+  # A frozen (PTQ) model's direct calls take it as a weight operand (``x @ self.w``).
+  _cls.__qtrain_quantized_weight__ = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +127,9 @@ class WeightHow:
   key: str
   spec: FrozenLayer
   weight_quant: cfg_lib.OperandQuant | None
+  # A layer stacked by nnx.vmap (run by nnx.scan / nnx.vmap): the stack's shape, the leading
+  # axes of the QArray's arrays (``spec`` is one layer's); () otherwise.
+  stack: tuple[int, ...] = ()
 
   @property
   def qtype(self) -> str:
@@ -268,16 +273,34 @@ def to_frozen(how: WeightHow, qarray: QArray, scale_a=None, zero_a=None) -> Froz
       zero_a=None if zero_a is None else jnp.asarray(zero_a).astype(jnp.float32).reshape(()))
 
 
+def stack_qarrays(qarrays: list, stack: tuple[int, ...]) -> QArray:
+  """The QArrays of a stack's layers (``np.ndindex(stack)`` order) as one, each array with the
+  stack's leading axes (one QArray as it is for no stack)."""
+  if not stack:
+    return qarrays[0]
+  first = qarrays[0]
+  st = lambda name: (None if getattr(first, name) is None else jnp.stack(
+      [getattr(q, name) for q in qarrays]).reshape(stack + getattr(first, name).shape))
+  return QArray(qvalue=st("qvalue"), scale=st("scale"), zero_point=st("zero_point"),
+                qtype=first.qtype)
+
+
 def requantize(how: WeightHow, kernel, where: str) -> QArray:
-  """``kernel`` (a float weight) quantized as the PTQ weight ``how`` says, in qwix's layout."""
+  """``kernel`` (a float weight) quantized as the PTQ weight ``how`` says, in qwix's layout (a
+  stack's weight layer by layer, its arrays stacked)."""
   spec = how.spec
   if how.weight_quant is None:
     raise ValueError(f"quantize_params: {where!r}: the template does not say how its weight was "
                      "quantized")
   kernel = jnp.asarray(kernel)
-  if tuple(kernel.shape) != tuple(spec.kernel_shape):
+  want = tuple(how.stack) + tuple(spec.kernel_shape)
+  if tuple(kernel.shape) != want:
     raise ValueError(f"quantize_params: {where!r} has shape {tuple(kernel.shape)}, the "
-                     f"template's {tuple(spec.kernel_shape)}")
+                     f"template's {want}")
+  if how.stack:
+    one = dataclasses.replace(how, stack=())
+    return stack_qarrays([requantize(one, kernel[idx], f"{where}[{idx}]")
+                          for idx in np.ndindex(*how.stack)], tuple(how.stack))
   if spec.kind != "conv" and len(spec.layout[0]) > 1 and spec.group_size is not None:
     raise ValueError(f"quantize_params: {where!r}: a tile across several contracting axes is "
                      "not rebuilt from float weights here: quantize the model with "

@@ -85,9 +85,11 @@ def weight_param_name(module_params: Mapping, shape, *, what: str, where: str) -
   if not hits:
     stacked = [k for k, v in own.items() if tuple(np.shape(v))[1:] == shape]
     if stacked:
+      # (freeze takes nnx layers stacked by nnx.vmap: it freezes them one by one.)
+      kinds = "nn.scan / nn.vmap" + ("" if what == "freeze" else " / nnx.scan / nnx.vmap")
       raise ValueError(f"{what}: layer {where!r}: parameter {stacked[0]!r} has shape "
                        f"{tuple(np.shape(own[stacked[0]]))}, the op's weight {shape}: {what} "
-                       "does not take layers stacked by nn.scan / nn.vmap / nnx.scan / nnx.vmap")
+                       f"does not take layers stacked by {kinds}")
     raise ValueError(f"{what}: layer {where!r}: no parameter of the module has the weight's shape "
                      f"{shape} (parameters: { {k: tuple(np.shape(v)) for k, v in own.items()} }); "
                      f"an op whose weight is computed from parameters is not supported by {what}")

@@ -346,6 +346,12 @@ def _ragged(name: str):
 # The matmul family: ``@``, jnp.matmul, jnp.dot, jnp.tensordot, jnp.inner (each one dot_general).
 
 
+def _quantized_weight(x) -> bool:
+  """A PTQ model's quantized weight (qwix's ``WithAux`` / ``QArray``, which mark their class):
+  a frozen model's product takes it as its weight operand."""
+  return bool(getattr(type(x), "__qtrain_quantized_weight__", False))
+
+
 def _as_array(x):
   """An operand as the array it stands for (an nnx Variable's value: the same object)."""
   m = getattr(x, "__jax_array__", None)
@@ -432,7 +438,7 @@ def _dispatch_product(a, b, dimension_numbers: Callable, kwargs: dict, float_cal
   with sentinel():
     lhs, rhs = _as_array(a), _as_array(b)
     if not all(isinstance(o, (jax.Array, np.ndarray, np.generic, int, float, complex))
-               for o in (lhs, rhs)):
+               or _quantized_weight(o) for o in (lhs, rhs)):
       return float_call()
     shapes = (jnp.shape(lhs), jnp.shape(rhs))
     try:
@@ -445,7 +451,8 @@ def _dispatch_product(a, b, dimension_numbers: Callable, kwargs: dict, float_cal
       return float_call()
     host, w = _site(f, "dot_general", op_id, (lhs, rhs), by_identity=True)
     # A numpy or Python operand (never the weight: parameters are JAX arrays) as an array.
-    lhs, rhs = (o if isinstance(o, jax.Array) else jnp.asarray(o) for o in (lhs, rhs))
+    lhs, rhs = (o if isinstance(o, jax.Array) or _quantized_weight(o) else jnp.asarray(o)
+                for o in (lhs, rhs))
     return f.provider.dot_general(
         host, f.path, op_id, lhs, rhs, dn, kwargs.get("precision"),
         kwargs.get("preferred_element_type"), weight_operand=w,

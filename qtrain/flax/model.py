@@ -424,6 +424,10 @@ class _Direct:
   # Op ids a layer-style op attribute of the module takes (its ``dot_general0``): direct calls
   # of that op are numbered from 1.
   counters: tuple = ()
+  # ``sites(frame, op_name, op_id, operands) -> (host, weight operand)`` (:class:`Frame`'s);
+  # None: a QT model's, :func:`_direct_site`. A frozen model's direct calls have their own
+  # (:mod:`qtrain.freeze`), which hands each call to its frozen op.
+  sites: Callable | None = None
 
 
 _DIRECT_ATTR = "_qtrain_direct"
@@ -508,7 +512,8 @@ def _framed_method(fn: Callable) -> Callable:
     d = vars(self).get(_DIRECT_ATTR)
     if d is None:
       return fn(self, *args, **kwargs)
-    with _intercept.module_frame(self, d.provider, d.path, _direct_site, dict(d.counters)):
+    with _intercept.module_frame(self, d.provider, d.path, d.sites or _direct_site,
+                                 dict(d.counters)):
       return fn(self, *args, **kwargs)
   return method
 
@@ -573,6 +578,34 @@ def float_direct_calls(model) -> None:
     float_class = vars(type(node)).get(_FLOAT_CLASS_ATTR)
     if float_class is not None:
       node.__class__ = float_class
+
+
+def reframe_direct_calls(model, provider, sites: Callable) -> None:
+  """Hands the direct calls of ``model``'s user modules to ``provider`` through ``sites``
+  (:class:`_Direct`), in place: modules that are in frames already (a copy of a QT model) keep
+  their op numbering; a float model's user modules are put in frames as :func:`quantize_model`
+  puts them (Flax modules letting their own ops pass), their numbering from their op
+  attributes. A frozen model's direct calls run so (:mod:`qtrain.freeze`)."""
+  framed = False
+  passing = []
+  for path, node in list(nnx.iter_graph(model)):
+    if not isinstance(node, nnx.Module) or isinstance(node, QtOp):
+      continue
+    d = vars(node).get(_DIRECT_ATTR)
+    if d is not None:
+      setattr(node, _DIRECT_ATTR, dataclasses.replace(d, provider=provider, sites=sites))
+      framed = True
+    elif _is_user_module(node) and not hasattr(type(node), _FLOAT_CLASS_ATTR):
+      hook = _nnx_hook(node)
+      node.__class__ = _framed_class(type(node), user=True)
+      setattr(node, _DIRECT_ATTR, _Direct(provider, "/".join(str(p) for p in path),
+                                          () if hook is None else ((hook[1], 1),), sites))
+      framed = True
+    elif callable(node) and _is_flax_layer(node) and not hasattr(type(node), _FLOAT_CLASS_ATTR):
+      passing.append(node)
+  if framed:
+    for node in passing:
+      node.__class__ = _framed_class(type(node), user=False)
 
 
 def direct_ops(model) -> list[str]:

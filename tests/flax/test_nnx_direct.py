@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import qtrain
-from qtrain import freeze, lora, ops
+from qtrain import lora, ops
 from qtrain import qwix
 from _testutil import check_static_calibration
 from _testutil import rel_error as _rel
@@ -402,16 +402,6 @@ class TestErrors:
     with pytest.raises(ValueError, match="took parameter 'w' as its weight in quantize_model's "
                        "sample forward, and now it takes parameter 'v'"):
       m(X, flip=True)
-
-  def test_freeze_and_qwix_ptq_raise_naming_the_direct_calls(self):
-    d, _ = _pair()
-    qtrain.quantize_model(d, _provider(weight_qtype="int8"), X)
-    with pytest.raises(ValueError, match=r"freeze: nnx modules of this model quantize direct "
-                       r"calls \(\['<root>:dot_general0', '<root>:dot_general1', '<root>:einsum0'\]"):
-      freeze.freeze(d)
-    rule = qwix.QtRule(module_path=".*", weight_qtype="int8")
-    with pytest.raises(ValueError, match="quantize direct calls"):
-      qwix.quantize_model(_pair()[0], qwix.PtqProvider([rule]), X)
 
   def test_lora_rule_on_a_direct_call_raises(self):
     with pytest.raises(ValueError, match=r"lora_rank=4\) matches the einsum call 'einsum0' of "
