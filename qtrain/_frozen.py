@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qtrain import _einsum
+from qtrain import sparsity as sparsity_lib
 from qtrain.core import packing
 from qtrain.core import qarray as qa
 from qtrain.core import qdot
@@ -71,7 +72,8 @@ from qtrain.ops.dot_general_qt import merge_tiled_contraction
 IMPLEMENTATIONS = cfg_lib.IMPLEMENTATIONS
 ARRAY_FIELDS = ("words", "w_scale", "w_zero", "scale_a", "bias_a", "bias", "zero_a")
 META_FIELDS = ("kind", "w_qtype", "k", "n", "kernel_shape", "group_size", "act", "layout",
-               "weight_operand", "weight_dtype", "param", "param_dtype", "op_id", "op_name", "lora")
+               "weight_operand", "weight_dtype", "param", "param_dtype", "op_id", "op_name", "lora",
+               "w_sparsity", "a_sparsity")
 # What an activation's scale comes from at inference (FrozenLayer.act["scale"]):
 #   None: calibrated per call as the op's OperandQuant says;
 #   "given": FrozenLayer.scale_a (a learned scale, or a calibrated static one; with
@@ -124,6 +126,10 @@ class FrozenLayer:
       beside the frozen weight; :mod:`qtrain.lora`).
     zero_a: None, or a float32 scalar: the integer zero point of an asymmetric (``minmax``)
       static input scale ``scale_a``, ``x ~ (q - zero_a) * scale_a``.
+    w_sparsity, a_sparsity: None, or the N:M sparsity (:class:`qtrain.sparsity.Sparsity` as
+      the tuple ``(n, m, order, block_size, offset)``) the op's rule prunes its weight (the
+      frozen codes are of the pruned weight; :func:`rebuild` prunes again) / its input with
+      (inference prunes the input before quantizing it, as the QT op).
   """
 
   words: jax.Array
@@ -148,6 +154,8 @@ class FrozenLayer:
   op_name: str | None = None
   lora: Any = None
   zero_a: jax.Array | None = None
+  w_sparsity: Any = None
+  a_sparsity: Any = None
 
   @property
   def lora_dict(self) -> dict | None:
@@ -192,6 +200,8 @@ class FrozenLayer:
     kw["act"] = None if meta["act"] is None else tuple(sorted((k, _to_tuples(v)) for k, v in meta["act"].items()))
     kw["lora"] = None if meta.get("lora") is None else tuple(sorted(meta["lora"].items()))
     kw["layout"] = _to_tuples(meta.get("layout", ()))
+    for f in ("w_sparsity", "a_sparsity"):
+      kw[f] = None if meta.get(f) is None else _to_tuples(meta[f])
     return cls(**{f: (arrays[f] if f in meta["present"] else None) for f in ARRAY_FIELDS}, **kw)
 
 
@@ -213,6 +223,19 @@ class Unsupported(Exception):
 
 # ----------------------------------------------------------------------------
 # Building: the weight quantized as its QT op does, stored packed.
+
+
+def sparsity_meta(sp) -> tuple | None:
+  """The hashable ``w_sparsity`` / ``a_sparsity`` metadata of a rule's Sparsity (or None)."""
+  return None if sp is None else dataclasses.astuple(sp)
+
+
+def sparsity_of(meta, x, what: str):
+  """``x`` pruned as the sparsity metadata ``meta`` says (``x`` itself for None)."""
+  if meta is None:
+    return x
+  return sparsity_lib.sparsify(x, sparsity_lib.Sparsity(*meta), what=what)
+
 
 
 def lora_meta(rule) -> tuple | None:
@@ -358,7 +381,8 @@ def build_conv(kernel, *, rhs_spec, w_cfg, where: str, **fields) -> FrozenLayer:
 def rebuild(spec: FrozenLayer, kernel, w_cfg, *, where: str) -> FrozenLayer:
   """The layer ``spec`` describes, quantized again from the float ``kernel`` (of
   ``spec.kernel_shape``) with ``w_cfg``: no input scale, input shift or bias."""
-  kernel = jnp.asarray(kernel).astype(spec.weight_dtype)
+  kernel = sparsity_of(spec.w_sparsity, jnp.asarray(kernel).astype(spec.weight_dtype),
+                       f"the weight of layer {where!r}")
   fields = {f: getattr(spec, f) for f in META_FIELDS
             if f not in ("kind", "w_qtype", "k", "n", "kernel_shape", "group_size", "layout")}
   fields.update(scale_a=None, bias_a=None, bias=None)
@@ -801,6 +825,7 @@ def _dot_forward(layer: FrozenLayer, act, *, dn, out_dtype, implementation, wher
   # Dequantize (on the XLA path) when the input is there, not ahead of the whole forward.
   act, layer = jax.lax.optimization_barrier((act, layer))
   w_idx = layer.weight_operand
+  act = sparsity_of(layer.a_sparsity, act, f"the input of layer {where!r}")
   act = shift_act(layer, act, dn[0][1 - w_idx])
   act, merged_w, dn = merge_contraction(
       act, jnp.zeros(layer.kernel_shape, layer.weight_dtype), dn, w_idx,

@@ -221,6 +221,10 @@ def _match(rules, path: str, conv: bool):
   for r in rules:
     if _is_qtrule(r):
       if r.matches(path, "conv_general_dilated" if conv else "dot_general"):
+        if r.weight_sparsity is not None or r.act_sparsity is not None:
+          raise ValueError(f"freeze: layer {path!r}: its rule sets N:M sparsity, which a list of "
+                           "rules does not freeze (whole layers); freeze the model with the "
+                           "QtProvider it ran with")
         return LayerQuant.from_rule(r, conv=conv) if r.quantizes else None
       continue
     pat, lq = r
@@ -339,9 +343,12 @@ def _from_record(rec, provider, module_params: Mapping, state: Mapping, where: s
                 act=_frozen.act_meta(a_cfg, scale_kind),
                 weight_operand=w_idx, weight_dtype=dtypes[w_idx], param=name,
                 param_dtype=jnp.dtype(raw.dtype).name, op_id=rec.op_id, op_name=rec.op_name,
-                lora=_frozen.lora_meta(rule))
+                lora=_frozen.lora_meta(rule), w_sparsity=_frozen.sparsity_meta(rule.weight_sparsity),
+                a_sparsity=_frozen.sparsity_meta(rule.act_sparsity))
   w_cfg = _weight_quant(rec, provider)
   kernel = jnp.asarray(raw).astype(dtypes[w_idx])  # the module's cast, as the op saw it
+  # The weight pruned as the QT op prunes it (before quantizing, in the operand's own layout).
+  kernel = _frozen.sparsity_of(fields["w_sparsity"], kernel, f"the weight of layer {where!r}")
   if conv:
     return _frozen.build_conv(kernel, rhs_spec=rhs_spec, w_cfg=w_cfg, where=where, **fields)
   # Where a tile meets a multi-axis contraction the op quantizes the merged contraction; the

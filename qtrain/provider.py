@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from qtrain import _einsum
 from qtrain import rules as rules_lib
+from qtrain import sparsity as sparsity_lib
 from qtrain.core import qarray
 from qtrain.core import qdot
 from qtrain.core import qtypes
@@ -467,6 +468,12 @@ class QtProvider:
       ops = [lhs, rhs]
       a_idx = 1 - weight_operand
       x_orig = ops[a_idx]
+      # N:M sparsity: each operand pruned before it is calibrated and quantized.
+      ops[weight_operand] = sparsity_lib.sparsify(
+          ops[weight_operand], rule.weight_sparsity, what=f"weight_sparsity of {op_name} in "
+          f"module {path!r}")
+      ops[a_idx] = sparsity_lib.sparsify(ops[a_idx], rule.act_sparsity,
+                                         what=f"act_sparsity of {op_name} in module {path!r}")
       act, act_scale = ops[a_idx], None
       if rule.act_qtype is not None:
         act, act_scale = self._act_state(host, rule, act, dn[0][a_idx])
@@ -493,6 +500,13 @@ class QtProvider:
         out = out + self._lora(host, rule, path, x_orig, jnp.shape(ops[weight_operand]), dn,
                                weight_operand, out)
       return out if missing is None else _grad_guard(out, missing)
+
+  def _check_no_sparsity(self, m, op_name: str, path: str) -> None:
+    rule = m[1]
+    if rule.weight_sparsity is not None or rule.act_sparsity is not None:
+      raise OpError(f"qtrain: rules[{m[0]}] (module_path={rule.module_path!r}) sets N:M sparsity "
+                    f"and matches {op_name} in module {path!r}: sparsity goes on dot_general and "
+                    "einsum ops; restrict the rule with op_names=('dot_general', 'einsum')")
 
   def _lora(self, host: Host, rule, path, x, w_shape, dn, weight_operand, out):
     """The rule's adapter on this op: ``scale * dropout(x) . A . B`` in ``out``'s layout."""
@@ -562,6 +576,8 @@ class QtProvider:
                     f"{m[1].lora_rank} and matches conv_general_dilated in module {path!r}: LoRA "
                     "adapters go on dot_general and einsum ops; restrict the rule with "
                     "op_names=('dot_general', 'einsum')")
+    if m is not None:
+      self._check_no_sparsity(m, "conv_general_dilated", path)
 
     def float_call():
       kw = {} if out_sharding is None else {"out_sharding": out_sharding}
@@ -647,6 +663,7 @@ class QtProvider:
                     f"{m[1].lora_rank} and matches ragged_dot in module {path!r}: LoRA adapters "
                     "go on dot_general and einsum ops; restrict the rule with "
                     "op_names=('dot_general', 'einsum')")
+    self._check_no_sparsity(m, "ragged_dot", path)
     if rhs_layout is None:
       self.note_skipped(path, op_id, "ragged_dot", FLOAT_UNSUPPORTED, shapes=shapes)
       return float_call()

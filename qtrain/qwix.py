@@ -51,21 +51,24 @@ import jax.numpy as jnp
 import numpy as np
 import flax.linen as nn
 from flax import nnx
+from flax.linen import module as _linen_module
 
 from qtrain import freeze as freeze_lib
 from qtrain import provider as provider_lib
 from qtrain import rules as rules_lib
+from qtrain import sparsity as sparsity_lib
 from qtrain import _frozen
 from qtrain._qwix import layout
 from qtrain.core import qarray, qtypes
 from qtrain._frozen import FrozenLayer
+from qtrain.flax import hosts
 from qtrain.flax import intercept as _intercept
 from qtrain.flax import model as model_lib
 
 __all__ = ["QuantizationRule", "QtRule", "QtProvider", "PtqProvider", "PtqModel", "QuantStat",
            "quantize_model", "quantize_params", "process_prequantized_params",
            "restore_quantization_rules", "to_qtrain_rule", "RNG_STREAM", "WithAux", "QArray", "dequantize",
-           "PtqOp"]
+           "PtqOp", "SparsityRule"]
 
 # qwix's nnx variable type of calibration state: ``nnx.state(model, qwix.QuantStat)`` selects a
 # QT model's static-scale state (qtrain's layout, not qwix's ``sum_of_absmax`` / ``count``).
@@ -122,7 +125,8 @@ class QtRule(QuantizationRule):
     additional_qt_config: qwix's per-product overrides; the tiles (``tile_size``,
       ``dlhs_tile_size``, ``drhs_tile_size``) and gradient qtypes / calibrations equal for both
       products map (read with the weight as the second operand: ``dlhs`` is the input's
-      gradient), any other key raises naming it.
+      gradient), and ``sparsity_rule`` (a :class:`SparsityRule`: N:M sparsity of the weight);
+      any other key raises naming it.
   """
 
   bwd_qtype: Any = None
@@ -176,6 +180,7 @@ def to_qtrain_rule(rule: QuantizationRule | rules_lib.QtRule) -> rules_lib.QtRul
       bwd_act_grad_tile_size=a_tile,
       disable_channelwise_axes=qt.disable_channelwise_axes if qt else False,
       bwd_stochastic_rounding=qt.bwd_stochastic_rounding if qt else None,
+      weight_sparsity=extra.get("weight_sparsity"),
   )
 
 
@@ -187,7 +192,68 @@ def to_qtrain_rule(rule: QuantizationRule | rules_lib.QtRule) -> rules_lib.QtRul
 # gradient, drhs the weight's.
 _QT_CONFIG_KEYS = ("tile_size", "dlhs_grad_qtype", "drhs_grad_qtype", "dlhs_tile_size",
                    "drhs_tile_size", "dlhs_grad_calibration_method",
-                   "drhs_grad_calibration_method")
+                   "drhs_grad_calibration_method", "sparsity_rule")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SparsityRule:
+  """qwix's ``SparsityRule`` (its fields and defaults), for
+  ``QtRule(additional_qt_config={"sparsity_rule": SparsityRule(...)})``: N:M sparsity of the
+  weight (the op's second operand in qwix: every Flax layer's kernel), pruned before it is
+  quantized, which :func:`to_qtrain_rule` maps onto ``qtrain.QtRule(weight_sparsity=
+  qtrain.sparsity.Sparsity(n, m, order, block_size, offset))``.
+
+  qwix's QtProvider applies the ``weight_sparsity_{n, m, order, block_size, offset}`` fields
+  only, on every step; so does qtrain. The others raise where set (qwix's QT ignores them; its
+  separate ``SparsityModule`` reads them): ``weight_sparsity_start_step`` /
+  ``weight_sparsity_update_step`` (a schedule) and ``eval_mode``, and ``activation_sparsity_*``
+  (qtrain's own ``QtRule(act_sparsity=...)`` prunes the activation). ``weight_sparsity_m=0``
+  means no sparsity.
+  """
+
+  weight_sparsity_n: int = 0
+  weight_sparsity_m: int = 0
+  weight_sparsity_order: str = "R"
+  weight_sparsity_block_size: int = 0
+  weight_sparsity_offset: int = 0
+  weight_sparsity_start_step: int = 0
+  weight_sparsity_update_step: int = 1
+  eval_mode: bool = False
+  activation_sparsity_n: int = 0
+  activation_sparsity_m: int = 0
+  activation_sparsity_order: str = "R"
+  activation_sparsity_block_size: int = 0
+  activation_sparsity_offset: int = 0
+
+
+def _weight_sparsity(rule, bad: list):
+  """The qtrain Sparsity of a qwix SparsityRule (None for m = 0), appending to ``bad`` what
+  qtrain does not map, naming the field."""
+  if not isinstance(rule, SparsityRule):
+    bad.append(f"additional_qt_config['sparsity_rule']={rule!r}: expected a "
+               "qtrain.qwix.SparsityRule")
+    return None
+  for f, default, why in (
+      ("weight_sparsity_start_step", 0, "a sparsity schedule"),
+      ("weight_sparsity_update_step", 1, "a sparsity schedule"),
+      ("eval_mode", False, "an evaluation switch"),
+      ("activation_sparsity_n", 0, "activation sparsity"),
+      ("activation_sparsity_m", 0, "activation sparsity")):
+    if getattr(rule, f) != default:
+      bad.append(f"sparsity_rule.{f}={getattr(rule, f)!r}: {why} is not applied by qwix's "
+                 "QtProvider (only its SparsityModule reads it) and not mapped; leave it at "
+                 f"{default!r}" + (" (qtrain.QtRule(act_sparsity=(n, m)) prunes activations)"
+                                   if f.startswith("activation") else ""))
+  if rule.weight_sparsity_m == 0:
+    return None
+  try:
+    return sparsity_lib.Sparsity(n=rule.weight_sparsity_n, m=rule.weight_sparsity_m,
+                                 order=rule.weight_sparsity_order,
+                                 block_size=rule.weight_sparsity_block_size,
+                                 offset=rule.weight_sparsity_offset)
+  except ValueError as e:
+    bad.append(f"sparsity_rule: {str(e).removeprefix('Invalid Sparsity: ')}")
+    return None
 
 
 def _additional_qt_config(qt: "QtRule", bad: list) -> dict:
@@ -223,6 +289,8 @@ def _additional_qt_config(qt: "QtRule", bad: list) -> dict:
       bad.append(f"additional_qt_config[{k!r}]={cfg[k]!r}: a per-product gradient calibration "
                  f"is not supported; set bwd_calibration_method (it is "
                  f"{qt.bwd_calibration_method!r})")
+  if cfg.get("sparsity_rule") is not None:
+    out["weight_sparsity"] = _weight_sparsity(cfg["sparsity_rule"], bad)
   if "dlhs_tile_size" in cfg:
     out["bwd_act_grad_tile_size"] = cfg["dlhs_tile_size"]
   if "drhs_tile_size" in cfg:
@@ -277,8 +345,57 @@ class QtProvider(provider_lib.QtProvider):
 
   stats_on_owner = True  # nnx: statistics on the layer (``<op id>_lhs``), as qwix keeps them
 
-  def dot_general(self, host, path, op_id, lhs, rhs, dimension_numbers, *args,
-                  weight_operand, **kwargs):
+  def dot_general(self, *args, **kwargs):
+    """qwix's ``provider.dot_general(lhs, rhs, dimension_numbers, precision=None,
+    preferred_element_type=None, *, out_sharding=None)`` called in a linen module's method
+    (the op of that module, its rhs the weight, as qwix has it); and the interception's call
+    (``host, path, op_id, ...``, ``weight_operand=``), which quantizes an intercepted op."""
+    if "weight_operand" not in kwargs:
+      return self._qwix_call("dot_general", args, kwargs)
+    return self._dot_general(*args, **kwargs)
+
+  def _qwix_call(self, op_name: str, args, kwargs):
+    """An op called as qwix's provider method (``provider.dot_general(lhs, rhs, dn)``) in a
+    linen module's method: the op ``<op name><n>`` of that module (counted per module call, as
+    qwix's op ids), quantized with its rhs as the weight."""
+    stack = _linen_module._context.module_stack
+    module = stack[-1] if stack else None
+    if module is None or getattr(module, "scope", None) is None:
+      raise ValueError(f"qtrain.qwix.QtProvider.{op_name}({', '.join(['...'] * len(args))}) "
+                       "called outside a linen module's method: qwix's provider ops are called "
+                       "inside one (nnx and other code: quantize the model with "
+                       "quantize_model, which intercepts jax.lax.dot_general itself)")
+    frame = _intercept.current_frame()
+    if frame is not None and frame.module is module and frame.provider is self:
+      path, op_id = frame.path, frame.next_id(op_name)
+    else:
+      counts = module.__dict__.setdefault("_qtrain_qwix_op_counts", {})
+      n = counts.get(op_name, 0)
+      counts[op_name] = n + 1
+      path, op_id = "/".join(str(p) for p in module.path), f"{op_name}{n}"
+    host = hosts.LinenHost(module, op_id)
+    orig = _intercept.original(op_name)
+    with _intercept.sentinel():
+      if op_name == "dot_general":
+        lhs, rhs, dn, *rest = args
+        names = ("precision", "preferred_element_type")
+        kw = {**dict(zip(names, rest)), **kwargs}
+        return self._dot_general(host, path, op_id, lhs, rhs, dn, kw.get("precision"),
+                                 kw.get("preferred_element_type"), weight_operand=1,
+                                 fallback=orig, out_sharding=kw.get("out_sharding"))
+      subscripts, *operands = args
+      return super().einsum(host, path, op_id, subscripts, tuple(operands), kwargs,
+                            weight_operand=1, fallback=orig)
+
+  def einsum(self, *args, **kwargs):
+    """qwix's ``provider.einsum(subscripts, *operands, **kwargs)`` in a linen module's method
+    (its second operand the weight), and the interception's call."""
+    if "weight_operand" not in kwargs:
+      return self._qwix_call("einsum", args, kwargs)
+    return super().einsum(*args, **kwargs)
+
+  def _dot_general(self, host, path, op_id, lhs, rhs, dimension_numbers, *args,
+                   weight_operand, **kwargs):
     side = getattr(self._side, "v", None)
     self._side.v = "rhs" if weight_operand == 0 else "lhs"
     try:

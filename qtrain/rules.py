@@ -35,6 +35,7 @@ import dataclasses
 import re
 from typing import Mapping, Sequence
 
+from qtrain import sparsity as sparsity_lib
 from qtrain.core import estimators
 from qtrain.core import qarray
 from qtrain.core import qtypes
@@ -160,6 +161,14 @@ class QtRule:
     act_axis_names: the axes that split the input's contraction (a row-parallel layer's
       input features); also a static scale's calibration.
 
+  Structured sparsity (``dot_general`` and ``einsum`` ops; see :mod:`qtrain.sparsity`):
+    weight_sparsity: N:M sparsity of the weight: ``(n, m)`` (e.g. ``(2, 4)``: the 2 largest
+      of every 4 values kept, the others 0) or a :class:`qtrain.sparsity.Sparsity` (qwix's
+      order, block size and offset). The weight is pruned before it is quantized, on every
+      call (its gradient reaches the kept values only); ``freeze`` freezes the pruned weight.
+      Needs ``weight_qtype``. qwix's ``additional_qt_config={"sparsity_rule": ...}``.
+    act_sparsity: the same for the activation operand (pruned before it is quantized).
+
   Where it runs:
     implementation: ``"auto"``, ``"xla"``, ``"triton"``, ``"mosaic"`` or ``"interpret"``
       (:mod:`qtrain.ops.dispatch`).
@@ -208,9 +217,26 @@ class QtRule:
   lora_rank: int | None = None
   lora_alpha: float | None = None
   lora_dropout: float = 0.0
+  weight_sparsity: "sparsity_lib.Sparsity | tuple[int, int] | None" = None
+  act_sparsity: "sparsity_lib.Sparsity | tuple[int, int] | None" = None
 
   def __post_init__(self):
     errors: list[str] = []
+    # Sparsity.
+    for name in ("weight_sparsity", "act_sparsity"):
+      try:
+        object.__setattr__(self, name, sparsity_lib.as_sparsity(getattr(self, name), name))
+      except ValueError as e:
+        errors.append(str(e))
+        continue
+      if getattr(self, name) is not None:
+        if self.weight_qtype is None:
+          errors.append(f"{name}={getattr(self, name).short()} needs weight_qtype (sparsity "
+                        "applies to the ops a rule quantizes; it is None)")
+        if self.op_names is not None and not {"dot_general", "einsum"} & set(
+            (self.op_names,) if isinstance(self.op_names, str) else self.op_names):
+          errors.append(f"{name} with op_names={self.op_names!r}: sparsity applies to "
+                        "dot_general and einsum ops")
     # Matching.
     if not isinstance(self.module_path, str):
       errors.append(f"module_path={self.module_path!r} must be a regex string")
@@ -487,6 +513,9 @@ class QtRule:
       parts.append(f"sr={self.bwd_stochastic_rounding}")
     if self.has_lora:
       parts.append(f"lora_rank={self.lora_rank}")
+    for name, sp in (("w_sparsity", self.weight_sparsity), ("a_sparsity", self.act_sparsity)):
+      if sp is not None:
+        parts.append(f"{name}={sp.short()}")
     return " ".join(parts)
 
 

@@ -5,7 +5,7 @@ Layers, lowest first (a module may import its own layer and the ones below):
   core     numerics: qtypes, QArray, calibration, rounding, packing, estimators, qdot
   kernels  the Pallas GPU kernels (Triton, Mosaic)
   ops      the QT ops, their configs and the backend dispatch
-  api      rules, the binary presets, the provider, optax transforms
+  api      rules, the binary presets, the provider, optax transforms, N:M sparsity
   flax     the linen / nnx adapters and the interception
   layers   qlayers (modules built on the ops and the presets)
   export   freeze and the frozen layers
@@ -25,7 +25,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "qtrain"
 LAYERS = ("core", "kernels", "ops", "api", "flax", "layers", "export", "compat", "package")
-API = {"qtrain.rules", "qtrain.binary", "qtrain.provider", "qtrain.optim", "qtrain._einsum"}
+API = {"qtrain.rules", "qtrain.binary", "qtrain.provider", "qtrain.optim", "qtrain._einsum",
+       "qtrain.sparsity"}
 
 
 def _modules() -> dict[str, pathlib.Path]:

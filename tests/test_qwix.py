@@ -140,6 +140,62 @@ def test_fields_qtrain_cannot_honour_raise_naming_the_field(field, value, words)
     qwix.QtProvider([rule])
 
 
+def test_sparsity_rule_maps_onto_weight_sparsity_and_refuses_what_qwix_qt_ignores():
+  """additional_qt_config={"sparsity_rule": SparsityRule(...)}: the weight_sparsity_* fields
+  become the qtrain rule's weight_sparsity (m = 0: none); a schedule, eval_mode and activation
+  sparsity (which qwix's QtProvider does not apply) raise, naming the field."""
+  sr = qwix.SparsityRule(weight_sparsity_n=1, weight_sparsity_m=4, weight_sparsity_order="C",
+                         weight_sparsity_block_size=2, weight_sparsity_offset=0)
+  rule = qwix.to_qtrain_rule(qwix.QtRule(weight_qtype="int8",
+                                         additional_qt_config={"sparsity_rule": sr}))
+  assert rule.weight_sparsity == qtrain.sparsity.Sparsity(1, 4, "C", 2, 0)
+  assert rule.act_sparsity is None
+  off = qwix.to_qtrain_rule(qwix.QtRule(weight_qtype="int8", additional_qt_config={
+      "sparsity_rule": qwix.SparsityRule()}))
+  assert off.weight_sparsity is None
+  for kw, words in ((dict(weight_sparsity_start_step=10), "weight_sparsity_start_step=10"),
+                    (dict(eval_mode=True), "eval_mode=True"),
+                    (dict(activation_sparsity_n=2, activation_sparsity_m=4),
+                     r"activation_sparsity_n=2.*act_sparsity"),
+                    (dict(weight_sparsity_n=5, weight_sparsity_m=4),
+                     r"n=5 must be in \[1, m=4\]")):
+    with pytest.raises(ValueError, match=rf"^rules\[0\]: qwix rule.*sparsity_rule\.?.*{words}"):
+      qwix.QtProvider([qwix.QtRule(weight_qtype="int8", additional_qt_config={
+          "sparsity_rule": qwix.SparsityRule(**kw)})])
+
+
+@pytest.mark.slow
+def test_qwix_provider_ops_called_in_a_linen_module_quantize_their_rhs():
+  """qwix's provider.dot_general(lhs, rhs, dn) / provider.einsum(...) called in a linen
+  module's method: the module's ops dot_general0, einsum0 (rhs the weight): int8 weights,
+  2:4 pruned: the product of lhs with the pruned rhs within its int8 rounding; outside a
+  module it raises."""
+  rule = qwix.QtRule(weight_qtype=jnp.int8, additional_qt_config={
+      "sparsity_rule": qwix.SparsityRule(weight_sparsity_n=2, weight_sparsity_m=4)})
+  provider = qwix.QtProvider([rule])
+
+  class Direct(nn.Module):
+    provider: qwix.QtProvider
+
+    def __call__(self, lhs, rhs):
+      a = self.provider.dot_general(lhs, rhs, (((1,), (0,)), ((), ())))
+      return a, self.provider.einsum("mk,kn->mn", lhs, rhs)
+
+  lhs = jax.random.normal(jax.random.key(0), (3, 8))
+  rhs = jax.random.normal(jax.random.key(1), (8, 8))
+  a, b = Direct(provider).apply({}, lhs, rhs)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  w = np.asarray(rhs, np.float64)
+  wp = np.where(np.asarray(qtrain.sparsity.mask(rhs, qtrain.sparsity.Sparsity(2, 4))), w, 0)
+  x = np.asarray(lhs, np.float64)
+  bound = np.abs(x) @ np.ones_like(wp) * (np.abs(wp).max(0) / 127) / 2
+  assert np.all(np.abs(np.asarray(a) - x @ wp) <= bound + 1e-5)
+  assert sorted(r.op_id for r in provider.records()) == ["dot_general0", "einsum0"]
+  assert all(r.status == "quantized" and r.weight_operand == "rhs" for r in provider.records())
+  with pytest.raises(ValueError, match="called outside a linen module's method"):
+    provider.dot_general(lhs, rhs, (((1,), (0,)), ((), ())))
+
+
 def test_qtrain_provider_points_qwix_rules_to_the_compat_provider():
   with pytest.raises(ValueError, match=r"got a qtrain\.qwix\.QtRule \(qwix's rules go to "
                                        r"qtrain\.qwix\.QtProvider\)"):

@@ -61,6 +61,7 @@ cat > "$S/_src/core/qarray.py" <<'PY'
 from qtrain.qwix import QArray, dequantize  # noqa: F401
 PY
 cat > "$S/_src/core/sparsity.py" <<'PY'
+from qtrain.qwix import SparsityRule  # noqa: F401
 PY
 cat > "$S/_src/utils/flax_util.py" <<'PY'
 from qtrain.qwix import QuantStat  # noqa: F401
