@@ -106,6 +106,7 @@ def test_calibration_strings_and_defaults_map_to_qtrain_calibrations(text, cal):
   _assert_same(got, want)
 
 
+@pytest.mark.slow
 def test_get_unused_rules_returns_the_given_rules_after_the_model_ran():
   used = qwix.QtRule(module_path="dense", weight_qtype="int8")
   unused = qwix.QtRule(module_path="decoder/.*", weight_qtype="int8")
@@ -510,6 +511,7 @@ def test_linen_ptq_params_save_and_restore_with_orbax(tmp_path):
                                 np.asarray(ptq.apply({"params": params}, x)))
 
 
+@pytest.mark.slow
 def test_quantize_model_takes_qwix_methods():
   """qwix's ``methods``: a linen model's ops are quantized in every method, so any of its
   methods is accepted (the model then quantizes a second method's ops too); a name it lacks
@@ -735,6 +737,7 @@ def test_process_prequantized_params_dequantizes_into_float_and_qt_models(tile, 
   np.testing.assert_allclose(np.asarray(float_model(x)), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_process_prequantized_params_errors_name_what_is_wrong():
   fp = _NnxMlp(nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(0), (4, 16), jnp.float32)
