@@ -294,6 +294,8 @@ def _grad_pair(g, lres, rres, dn, config, k_l, k_r):
   lq, rq = lres.value, rres.value
   nl = lq.ndim - len(lc)
   shape = tuple(g.shape)
+  if any(jax.export.is_symbolic_dim(d) for d in shape):  # the kernels tile concrete sizes
+    return None
   m, n = math.prod(shape[:nl]), math.prod(shape[nl:])
   if not shape or nl == 0 or nl == len(shape) or _grad_pair_kernel.supported(m, n) is not None:
     return None
