@@ -279,9 +279,9 @@ def _grad_pair(g, lres, rres, dn, config, k_l, k_r):
   on one device (the kernel has no per-shard rule), with a kernel implementation ("auto" on a
   CUDA lowering, "triton", "mosaic", or "interpret" in the Pallas interpreter).
 
-  Returns ``(g_l, y_l, g_rt, y_r)``: the input gradient's quantized ``g`` (``g``'s shape) and
-  the folded rhs residual; the weight gradient's quantized ``g`` transposed to (rhs free...,
-  lhs free...), the layout its GEMM reads, and the folded lhs residual.
+  Returns, per backward product, ``(quantized g, folded residual, dimension numbers, output
+  permutation)`` for :func:`_backward_dot`: the input gradient's ``g`` in ``g``'s shape; the
+  weight gradient's transposed to (rhs free..., lhs free...), the layout its GEMM reads.
   """
   impl = config.implementation
   (lc, rc), (lb, rb) = dn
@@ -299,8 +299,8 @@ def _grad_pair(g, lres, rres, dn, config, k_l, k_r):
   m, n = math.prod(shape[:nl]), math.prod(shape[nl:])
   if not shape or nl == 0 or nl == len(shape) or _grad_pair_kernel.supported(m, n) is not None:
     return None
-  dims_l, _, free_l = transpose_dims(dn, lq.ndim, rq.ndim, swap_ans=False)
-  dims_r, _, free_r = transpose_dims(((rc, lc), (rb, lb)), rq.ndim, lq.ndim, swap_ans=True)
+  dims_l, perm_l, free_l = transpose_dims(dn, lq.ndim, rq.ndim, swap_ans=False)
+  dims_r, perm_r, free_r = transpose_dims(((rc, lc), (rb, lb)), rq.ndim, lq.ndim, swap_ans=True)
   fold_l = _fold_factor(rq, dims_l, False, nl, ())
   fold_r = _fold_factor(lq, dims_r, True, len(shape) - nl, ())
   if fold_l is None or fold_r is None:
@@ -333,7 +333,11 @@ def _grad_pair(g, lres, rres, dn, config, k_l, k_r):
   g_l = qa.QArray(qvalue=c_l.reshape(shape), scale=sc_l, zero_point=None, qtype=qt)
   g_rt = qa.QArray(qvalue=c_rt.reshape(shape[nl:] + shape[:nl]), scale=sc_r, zero_point=None,
                    qtype=qt)
-  return g_l, y_l, g_rt, y_r
+  # g_rt holds g's rhs-free axes first: the weight gradient contracts its trailing lhs-free
+  # axes with the lhs residual's free axes (in order); its output layout is the one
+  # transpose_dims gives for g (rhs-free axes, then the lhs contracting axes), so perm_r holds.
+  dims_rt = ((tuple(range(len(shape) - nl, len(shape))), dims_r[0][1]), ((), ()))
+  return (g_l, y_l, dims_l, perm_l), (g_rt, y_r, dims_rt, perm_r)
 
 
 # ----------------------------------------------------------------------------
@@ -389,18 +393,10 @@ def _bwd(dn, config, precision, out_dtype, shapes, res, g):
                                gq=config.drhs_grad, key=k_r, implementation=config.implementation,
                                x_shape=rshape, out_dtype=bar_dtype(rres, rdtype), y_dtype=ldtype)
   else:
-    g_l, y_l, g_rt, y_r = pair
-    dims_l, perm_l, _ = transpose_dims(dn, len(lshape), rres.value.ndim, swap_ans=False)
+    (g_l, y_l, dims_l, perm_l), (g_rt, y_r, dims_rt, perm_r) = pair
     lhs_bar = _backward_dot(g_l, y_l, dims_l, perm_l, g_dtype=g.dtype, y_dtype=rdtype,
                             float_values=False, implementation=config.implementation,
                             x_shape=lshape, out_dtype=bar_dtype(lres, ldtype))
-    # g_rt holds g's rhs-free axes first: the weight gradient contracts its trailing lhs-free
-    # axes with the lhs residual's free axes (in order), and its output layout is the one
-    # transpose_dims gives for g (rhs-free axes, then the lhs contracting axes).
-    ((_, y_kept), _), perm_r, _ = transpose_dims(((rc, lc), (rb, lb)), len(rshape),
-                                                 lres.value.ndim, swap_ans=True)
-    nr = len(rshape) - len(rc)
-    dims_rt = ((tuple(range(nr, g.ndim)), y_kept), ((), ()))
     rhs_bar = _backward_dot(g_rt, y_r, dims_rt, perm_r, g_dtype=g.dtype, y_dtype=ldtype,
                             float_values=False, implementation=config.implementation,
                             x_shape=rshape, out_dtype=bar_dtype(rres, rdtype))
