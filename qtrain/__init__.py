@@ -22,9 +22,10 @@ Public API: :class:`QtRule`, :class:`QtProvider`, :func:`quantize_model`,
 (bitorch-engine / larq / XNOR / MPQ presets), :mod:`qtrain.qlayers`,
 :mod:`qtrain.optim` (optax transforms: latent clipping, Bop, stochastic
 low-bit weight storage), :mod:`qtrain.freeze` (packed export and inference),
-:mod:`qtrain.qwix` (qwix's QT and PTQ API:
-rules, providers, ``get_unused_rules``, ``quantize_params``), :mod:`qtrain.ops` (the QT ops ``dot_general_qt`` / ``conv_general_qt`` and
-their configs), :mod:`qtrain.core` (qtypes, QArray, calibration, rounding,
+:mod:`qtrain.lora` (LoRA / QLoRA adapters: split, merge), :mod:`qtrain.sparsity` (N:M
+structured sparsity), :mod:`qtrain.qwix` (qwix's QT and PTQ API: rules, providers,
+``get_unused_rules``, ``quantize_params``), :mod:`qtrain.ops` (the QT ops ``dot_general_qt`` /
+``conv_general_qt`` and their configs), :mod:`qtrain.core` (qtypes, QArray, calibration, rounding,
 packing) and :mod:`qtrain.kernels` (the Pallas GPU kernels). Everything else
 stays reachable through its module (e.g. :class:`qtrain.provider.OpRecord`).
 """
@@ -34,12 +35,12 @@ from qtrain.flax.model import (ActScale, ActShift, QtOp, QuantStat, quantize_mod
                                summary)
 from qtrain.provider import RNG_STREAM, QtProvider
 from qtrain.rules import QtRule
-from qtrain import binary, freeze, optim, qlayers, qwix  # noqa: E402  (they build on the names above)
+from qtrain import binary, freeze, lora, optim, qlayers, qwix, sparsity  # noqa: E402  (they build on the names above)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "QtRule", "QtProvider", "quantize_model", "summary", "set_calibrate", "RNG_STREAM",
     "QtOp", "QuantStat", "ActScale", "ActShift",
-    "binary", "core", "freeze", "kernels", "ops", "optim", "qlayers", "qwix",
+    "binary", "core", "freeze", "kernels", "lora", "ops", "optim", "qlayers", "qwix", "sparsity",
 ]

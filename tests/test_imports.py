@@ -13,7 +13,10 @@ Layers, lowest first (a module may import its own layer and the ones below):
   package  qtrain/__init__.py
 
 No module imports qtrain inside a function (a lazy import hides a cycle or an
-upward arrow from this test), and the module graph has no cycle.
+upward arrow from this test), nor through ``importlib.import_module`` / ``__import__``;
+relative imports are resolved like absolute ones; and the module graph has no cycle.
+Every top-level module a user reaches is exported (``qtrain.__all__``), and docs/design.md's
+layer map names every top-level module and subpackage.
 """
 
 from __future__ import annotations
@@ -58,11 +61,20 @@ def layer(mod: str) -> str:
   raise AssertionError(f"{mod}: no layer assigned; add it to tests/test_imports.py")
 
 
-def _target(node: ast.ImportFrom | ast.Import, name: str | None = None) -> list[str]:
-  """The qtrain modules an import statement loads."""
+def _package(mod: str) -> str:
+  """The package a module's relative imports start from."""
+  return mod if MODULES[mod].name == "__init__.py" else mod.rpartition(".")[0]
+
+
+def _target(node: ast.ImportFrom | ast.Import, mod: str) -> list[str]:
+  """The qtrain modules an import statement of module ``mod`` loads."""
   if isinstance(node, ast.Import):
     return [a.name for a in node.names if a.name.split(".")[0] == "qtrain"]
   base = node.module or ""
+  if node.level:  # from . import x / from ..core import y: resolved against mod's package
+    pkg = _package(mod).split(".")
+    pkg = pkg[:len(pkg) - (node.level - 1)]
+    base = ".".join(pkg + ([base] if base else []))
   if base.split(".")[0] != "qtrain":
     return []
   out = []
@@ -72,15 +84,31 @@ def _target(node: ast.ImportFrom | ast.Import, name: str | None = None) -> list[
   return out
 
 
+def _dynamic_import(node: ast.AST) -> bool:
+  """An ``importlib.import_module("qtrain...")`` / ``__import__("qtrain...")`` call (or a
+  relative name): an import this test could not otherwise see."""
+  if not isinstance(node, ast.Call) or not node.args:
+    return False
+  f = node.func
+  name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+  if name not in ("import_module", "__import__"):
+    return False
+  arg = node.args[0]
+  return not (isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+              and not arg.value.startswith(("qtrain", ".")))
+
+
 def imports(mod: str) -> tuple[set[str], list[str]]:
   """(qtrain modules imported at module level, function-level qtrain imports as text)."""
   tree = ast.parse(MODULES[mod].read_text())
   top, inner = set(), []
   for node in tree.body:
     if isinstance(node, (ast.Import, ast.ImportFrom)):
-      top.update(_target(node))
+      top.update(_target(node, mod))
   for node in ast.walk(tree):
-    if isinstance(node, (ast.Import, ast.ImportFrom)) and node.col_offset > 0 and _target(node):
+    if isinstance(node, (ast.Import, ast.ImportFrom)) and node.col_offset > 0 and _target(node, mod):
+      inner.append(f"line {node.lineno}: {ast.unparse(node)}")
+    elif _dynamic_import(node):
       inner.append(f"line {node.lineno}: {ast.unparse(node)}")
   top.discard(mod)
   return top, inner
@@ -122,3 +150,49 @@ def test_no_import_cycles():
   for m in sorted(graph):
     if m not in state:
       visit(m, [m])
+
+
+def test_the_reader_sees_relative_and_dynamic_imports(monkeypatch, tmp_path):
+  """The import reader resolves relative imports and reports dynamic ones (else a cycle or an
+  upward arrow written that way would pass this file unseen)."""
+  src = tmp_path / "qarray.py"
+  src.write_text("from . import qtypes\nfrom ..ops import dispatch\n"
+                 "import importlib\n"
+                 "def f():\n  return importlib.import_module('qtrain.flax.model')\n")
+  monkeypatch.setitem(MODULES, "qtrain.core.qarray", src)
+  top, inner = imports("qtrain.core.qarray")
+  assert top == {"qtrain.core.qtypes", "qtrain.ops.dispatch"}, top
+  assert len(inner) == 1 and "qtrain.flax.model" in inner[0], inner
+
+
+# Top-level modules whose user-facing names (QtRule, QtProvider, quantize_model, ...) are
+# exported themselves, rather than the module.
+_NAMES_EXPORTED = {"qtrain.rules": ["QtRule"], "qtrain.provider": ["QtProvider", "RNG_STREAM"],
+                   "qtrain.flax": ["quantize_model", "summary", "QtOp"]}
+
+
+def _top_level() -> list[str]:
+  return sorted(m for m in MODULES if m.count(".") == 1)
+
+
+def test_every_public_top_level_module_is_exported():
+  """A public (non-underscore) top-level module or subpackage is in qtrain.__all__, or its
+  user-facing names are: a new user module cannot be left reachable only by accident."""
+  import qtrain
+  for mod in _top_level():
+    short = mod.split(".")[1]
+    if short.startswith("_"):
+      continue
+    if mod in _NAMES_EXPORTED:
+      assert set(_NAMES_EXPORTED[mod]) <= set(qtrain.__all__), mod
+    else:
+      assert short in qtrain.__all__, f"{mod} is not in qtrain.__all__ (or _NAMES_EXPORTED)"
+
+
+def test_design_doc_maps_every_top_level_module():
+  """docs/design.md's layer map names every top-level module and subpackage."""
+  doc = (ROOT.parent / "docs" / "design.md").read_text()
+  for mod in _top_level():
+    short = mod.split(".")[1]
+    path = f"qtrain/{short}/" if MODULES[mod].name == "__init__.py" else f"qtrain/{short}.py"
+    assert path in doc, f"docs/design.md does not name {path}"

@@ -183,7 +183,8 @@ def test_public_api():
   assert sorted(qtrain.__all__) == sorted([
       "QtRule", "QtProvider", "quantize_model", "summary", "set_calibrate", "RNG_STREAM",
       "QtOp", "QuantStat", "ActScale", "ActShift",
-      "binary", "core", "freeze", "kernels", "ops", "optim", "qlayers", "qwix"])
+      "binary", "core", "freeze", "kernels", "lora", "ops", "optim", "qlayers", "qwix",
+      "sparsity"])
   for name in qtrain.__all__:
     assert hasattr(qtrain, name), name
   assert qtrain.RNG_STREAM == "quant"
