@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qtrain.core import qtypes
 from qtrain.kernels import _common
 from qtrain.kernels import binary_matmul, nbit_matmul
 from qtrain.kernels import mosaic_layout
@@ -63,7 +64,6 @@ QTYPES = ("binary", "int2", "int4", "int8")
 ACT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.int8)
 # int8 activations: the decoded weight is this multiple of its value (divided out with the scales)
 A8_FACTOR = {"binary": 64, "int2": 64, "int4": 16, "int8": 1}
-_BITS = {"binary": 1, "int2": 2, "int4": 4, "int8": 8}  # stored bits per weight
 # int8 activations accumulate in int32: |w code * factor| <= 128 and |x| <= 128, so K_pad
 # products of at most 2**14 each stay within int32
 A8_MAX_K = (2**31 - 1) // (128 * 128)
@@ -159,6 +159,11 @@ jax.tree_util.register_dataclass(MosaicWeight, data_fields=["data", "w_scale"],
                                  meta_fields=["qtype", "n", "k", "order", "tiles"])
 
 TILES = tuple((2 * r, tk) for r in WG_ROWS for tk in TILE_KS)  # (CTA rows, tile_k) storage tiles
+
+
+def _bits(qtype: str) -> int:
+  """Stored bits per weight of a container qtype (the vocabulary's own figure)."""
+  return qtypes.get_qtype(qtype).bits
 
 
 def auto_tiles(n: int, num_sms: int | None = None) -> tuple[int, int] | None:
@@ -262,7 +267,7 @@ def smem_bytes(qtype: str, m: int, cfg: MosaicConfig, act_bytes: int = 2) -> int
   """Shared memory the kernel allocates: ``steps`` weight + activation tiles and the output tiles
   (``act_bytes``: 2 for bf16/f16 activations, 1 for int8)."""
   mp = _common.round_up(m, 16)
-  w_tile = cfg.cta_rows * cfg.tile_k * _BITS[qtype] // 8
+  w_tile = cfg.cta_rows * cfg.tile_k * _bits(qtype) // 8
   return cfg.steps * (w_tile + mp * cfg.tile_k * act_bytes) + cfg.cta_rows * mp * 4
 
 
@@ -315,7 +320,7 @@ def with_split(w: MosaicWeight, cfg: MosaicConfig, num_sms: int | None = None) -
 
 def _w_cols(qtype: str, tile_k: int) -> int:
   """Stored columns of one tile_k step (binary: 8 weights per byte, int2: 4)."""
-  return tile_k * _BITS[qtype] // 8 if qtype in mosaic_layout.PACKED else tile_k
+  return tile_k * _bits(qtype) // 8 if qtype in mosaic_layout.PACKED else tile_k
 
 
 def mosaic_matmul(x: jax.Array, w: MosaicWeight, *, x_scale=None, out_dtype=jnp.float32,
