@@ -1,6 +1,7 @@
 """What quantize_model says about mistakes (issue 16.11, 16.13): rules that match nothing,
 layers a rule cannot quantize (and no noise about layers without a matmul), a list of rules
-passed for a provider, nn.scan without "quant_stats" in its variable_axes."""
+passed for a provider, nn.scan without "quant_stats" in its variable_axes or without the
+"quant" stream in its split_rngs."""
 
 import warnings
 
@@ -218,6 +219,42 @@ class TestScanQuantStats:
     qm = qtrain.quantize_model(ScanNet(variable_axes=(("params", 0), ("quant_stats", 0))), p)
     v = qm.init(jax.random.key(0), X)
     assert v["quant_stats"]["blocks"]["mlp"]["dot_general0_act_static_scale"].shape == (3,)
+
+
+class ScanNetRngs(nn.Module):
+  split_rngs: tuple
+
+  @nn.compact
+  def __call__(self, x):
+    stack = nn.scan(ScanBlock, variable_axes={"params": 0}, split_rngs=dict(self.split_rngs),
+                    length=3)
+    return stack(name="blocks")(x, None)[0]
+
+
+class TestScanRngStream:
+
+  @pytest.mark.slow
+  def test_quant_stream_missing_from_split_rngs_names_the_fix(self):
+    """nn.scan passes its body only the RNG streams split_rngs names: an apply given
+    rngs={'quant': key} must not be told it was not given the stream."""
+    p = qtrain.QtProvider([qtrain.QtRule(module_path=".*", weight_qtype="int8", act_qtype="int8",
+                                         bwd_qtype="int8", bwd_stochastic_rounding="uniform")])
+    qm = qtrain.quantize_model(ScanNetRngs(split_rngs=(("params", True),)), p)
+    params = qm.init(jax.random.key(0), X)["params"]
+    loss = lambda p, key: qm.apply({"params": p}, X, rngs={"quant": key}).sum()
+    with pytest.raises(ValueError) as e:
+      jax.grad(loss)(params, jax.random.key(1))
+    msg = str(e.value)
+    assert "was not given" not in msg, msg
+    assert "'scan(blocks)'" in msg
+    assert "add 'quant' to split_rngs (e.g. split_rngs={'params': True, 'quant': True}" in msg
+    # With the stream split over the layers, the gradient runs and is keyed.
+    qm = qtrain.quantize_model(ScanNetRngs(split_rngs=(("params", True), ("quant", True))), p)
+    g = jax.jit(jax.grad(loss))
+    k1, k2 = jax.random.key(1), jax.random.key(2)
+    g1, g1b, g2 = (g(params, k)["blocks"]["mlp"]["kernel"] for k in (k1, k1, k2))
+    assert g1.shape == (3, 8, 8) and bool(jnp.isfinite(g1).all())
+    assert bool((g1 == g1b).all()) and not bool((g1 == g2).all())
 
 
 class _Moe(nn.Module):

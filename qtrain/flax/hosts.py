@@ -104,6 +104,19 @@ _NO_QUANT_STATS = (
     "\"quant_stats\": 0}); in apply, pass the \"quant_stats\" that init returned")
 
 
+# linen's lifted transforms that pass a body only the RNG streams their split_rngs names (a
+# scope's debug_path shows each as 'scan(<name>)', 'vmap(<name>)', ...).
+_RNG_FILTERING_TRANSFORMS = ("scan", "vmap", "while_loop")
+
+
+def _rng_filtering_frames(debug_path) -> list[str]:
+  """The entries of a linen scope's ``debug_path`` made by a lifted transform that filters
+  RNG streams (``'scan(blocks)'``)."""
+  return [f"{p!r}" for p in debug_path
+          if isinstance(p, str) and p.split("(", 1)[0] in _RNG_FILTERING_TRANSFORMS
+          and p.endswith(")")]
+
+
 class LinenHost:
   """An op's state in the calling linen module's scope (names prefixed by op id)."""
 
@@ -145,6 +158,16 @@ class LinenHost:
     return self.module.make_rng(DROPOUT_STREAM)
 
   def missing_rng_message(self, stream, what):
+    give = (f"call apply(..., rngs={{{stream!r}: key}}) (fold the step into the key so each "
+            "step differs)")
+    lifted = _rng_filtering_frames(self.module.scope.debug_path)
+    if not lifted:
+      return (f"qtrain: {what} needs keys from the Flax RNG stream {stream!r} for its gradient, "
+              f"which this apply was not given: {give}")
+    # Inside nn.scan / nn.vmap only the streams named in split_rngs reach the body: the
+    # apply may well have been given the stream.
     return (f"qtrain: {what} needs keys from the Flax RNG stream {stream!r} for its gradient, "
-            f"which this apply was not given: call apply(..., rngs={{{stream!r}: key}}) (fold "
-            "the step into the key so each step differs)")
+            f"which this module's scope does not have: it runs inside {', '.join(lifted)}, "
+            f"and a lifted transform passes only the streams its split_rngs names: add "
+            f"{stream!r} to split_rngs (e.g. split_rngs={{'params': True, {stream!r}: True}}, "
+            f"each layer its own keys), and {give}")
