@@ -122,6 +122,16 @@ def test_default_out_dirs_are_under_tempdir():
     assert args.out_dir == os.path.join(tempfile.gettempdir(), folder), name
 
 
+def test_flags_are_one_style():
+  """Every example's options are spelt one way: lower case words joined by hyphens
+  (--out-dir; --out_dir was one example's spelling)."""
+  import re
+  for name in ("quickstart", "fashion_mnist", "train_lm"):
+    for action in _load(name).make_parser()._actions:
+      for opt in action.option_strings:
+        assert re.fullmatch(r"-h|--[a-z0-9]+(-[a-z0-9]+)*", opt), (name, opt)
+
+
 # ---------------------------------------------------------------------------
 # fashion_mnist: data search
 
@@ -196,6 +206,38 @@ def _run_fashion(tmp_path, runs: list[str], *extra: str):
 @pytest.mark.slow  # ~6 s on 2 cores, mostly XLA compiling the CNN's training step
 def test_fashion_mnist_smoke(tmp_path, no_fallbacks):
   _run_fashion(tmp_path, ["float"])
+
+
+@pytest.mark.slow
+def test_fashion_mnist_train_loss_is_the_mean_over_the_epochs_steps(tmp_path, no_fallbacks,
+                                                                     monkeypatch):
+  """The reported train loss is the mean of every step's loss of the epoch (it was one
+  step's in 50: a short run reported the untrained loss)."""
+  import jax
+  import optax
+  steps = []
+  ce = optax.softmax_cross_entropy_with_integer_labels
+
+  def recorded(logits, labels):
+    per_example = ce(logits, labels)
+    jax.debug.callback(lambda v: steps.append(float(v)), per_example.mean(), ordered=True)
+    return per_example
+
+  monkeypatch.setattr(optax, "softmax_cross_entropy_with_integer_labels", recorded)
+  fm = _load("fashion_mnist")
+  d = _write_fashion(tmp_path / "fm", n_train=96)
+  out = tmp_path / "out"
+  fm.main(["--data-dir", d, "--epochs", "1", "--batch-size", "32", "--width", "4", "--runs",
+           "float", "--out-dir", str(out), "--no-tqdm"])
+  with open(out / "summary.json") as f:
+    reported = json.load(f)["runs"]["float"]["train_loss"]
+  assert len(steps) == 3, steps  # 96 images in batches of 32
+  # float32 throughout (the losses are positive): each recorded step loss may be summed over
+  # its 32 examples in another order than the step's own (up to 31 roundings), the epoch sum
+  # adds 2 and the division 1: 34 roundings of 2**-24 relative.
+  rtol = 34 * 2.0 ** -24
+  np.testing.assert_allclose(reported[0], np.mean(steps), rtol=rtol)
+  assert abs(steps[0] - np.mean(steps)) > 10 * rtol * np.mean(steps), steps  # tells them apart
 
 
 @pytest.mark.slow

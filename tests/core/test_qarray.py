@@ -330,10 +330,10 @@ CAL_FOR = {
     "minmax": ["int8", "int4", "int2"],
 }
 CAL_CASES = [(q, c) for c, qs in CAL_FOR.items() for q in qs]
-# binary has no zero: with a fixed (data-independent, > 0) bound an all-zero
-# input cannot come back as zeros; every data-dependent calibration gives
-# binary the scale 0 for an all-zero group.
-ZERO_CASES = [(q, c) for q, c in CAL_CASES if (q, c) != ("binary", "fixed")]
+# binary has no zero code, but an all-zero group gets the scale 0 under every
+# calibration, a fixed bound included (issue 16 item 14: it used to come back as
+# +bound), so every case gives exact zeros.
+ZERO_CASES = CAL_CASES
 
 
 def _cal(method):
