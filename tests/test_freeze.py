@@ -268,9 +268,8 @@ def _rules(name):
 
 
 RULES = ["w8a8", "w4g16", "w1a8", "bitorch", "w8a8_static"]
-# Each linen case compiles the block 3 times (~3 s each): the fast suite keeps one (the nnx
-# cases, all fast, cover learned, static and group scales too).
-LINEN_RULES = [r if r == "w8a8" else pytest.param(r, marks=pytest.mark.slow) for r in RULES]
+# Each transformer case compiles its model 3 times (~3 s each on 2 cores): both transformer
+# tests below run in the slow step.
 EXACT_IMPLS = ("xla",) if jax.default_backend() == "gpu" else ("xla", "auto")
 
 
@@ -308,7 +307,7 @@ def _leaf(tree, path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rules", LINEN_RULES)
+@pytest.mark.parametrize("rules", RULES)
 def test_linen_transformer_frozen_equals_qt_forward(rules):
   x = jax.random.normal(jax.random.key(0), (B, T, D))
   model, provider, qmodel, v = _linen_qt(_rules(rules), x)
