@@ -584,9 +584,8 @@ def _kernel_matmul(layer: FrozenLayer, x2d, impl: str, out_dtype):
   """(M, K) rows x the packed (N, K) weight through dispatch's prepared-weight path."""
 
   pw, zero_fix = _prepared(layer)
-  kimpl = "auto" if impl == "auto" else impl  # "auto" here: a GPU backend (its CUDA kernel)
   out = dispatch.quantized_dot_general(x2d, pw, (((1,), (1,)), ((), ())),
-                                       preferred_element_type=jnp.float32, implementation=kimpl)
+                                       preferred_element_type=jnp.float32, implementation=impl)
   if zero_fix is not None:
     quant = isinstance(x2d, qa.QArray)
     rs = jnp.sum((x2d.qvalue if quant else x2d).astype(jnp.float32), axis=1, keepdims=True)

@@ -9,8 +9,8 @@ identical hashes mean identical kernels. Compare runs over the same cases: Mosai
 its symbols per process, so a case's hash also depends on the cases lowered before it. (It stops at the Mosaic module: the
 TMA descriptor checks that run when XLA compiles it on a GPU are not covered.)
 
-  python benchmarks/mosaic_module_hash.py > before.txt   # then after the change
-  python benchmarks/mosaic_module_hash.py | diff before.txt -
+  python tools/mosaic_module_hash.py > before.txt   # then after the change
+  python tools/mosaic_module_hash.py | diff before.txt -
 """
 import hashlib
 import importlib
