@@ -574,6 +574,11 @@ class FrozenOp(nnx.Module):
     return layer
 
   @property
+  def key(self) -> str:
+    """The frozen layer's key: the module path, ``<path>:<op id>`` for a module's direct call."""
+    return self.path if self.op_id is None else f"{self.path}:{self.op_id}"
+
+  @property
   def weight_operand(self) -> int:
     """The weight's operand index in the op (1 for a layer's op)."""
     return self.spec.weight_operand
@@ -643,7 +648,6 @@ class FrozenOp(nnx.Module):
     return self.lora_a[...], self.lora_b[...], key
 
 
-_NNX_HOOKS = ("dot_general", "einsum_op", "conv_general_dilated")
 
 
 def _nnx_hooks(model, cls):
@@ -1135,22 +1139,12 @@ def _tree_nbytes(tree) -> int:
 
 
 def _frozen_layers(frozen) -> dict:
-  """key -> frozen layer (a stacked nnx layer's arrays with the stack's leading axes); nnx
-  keys: the module path, ``<path>:<op id>`` for a module's direct call."""
+  """key -> (frozen layer, how many layers it stands for): a stacked nnx layer's arrays carry
+  the stack's leading axes; nnx keys are :attr:`FrozenOp.key`."""
   if isinstance(frozen, nnx.Module):
-    return {op.path if op.op_id is None else f"{op.path}:{op.op_id}": op.layer
+    return {op.key: (op.layer, int(np.prod(op.stack)))
             for _, _, _, op in _nnx_hooks(frozen, FrozenOp)}
-  return frozen["layers"]
-
-
-def _stack_size(frozen, key) -> int:
-  """How many layers the frozen layer ``key`` stands for (a stack's, nnx)."""
-  if not isinstance(frozen, nnx.Module):
-    return 1
-  for _, _, _, op in _nnx_hooks(frozen, FrozenOp):
-    if (op.path if op.op_id is None else f"{op.path}:{op.op_id}") == key:
-      return int(np.prod(op.stack))
-  return 1  # pragma: no cover
+  return {k: (l, 1) for k, l in frozen["layers"].items()}
 
 
 def layer_sizes(frozen, variables=None) -> dict:
@@ -1166,8 +1160,8 @@ def layer_sizes(frozen, variables=None) -> dict:
     variables vs the frozen model's bytes (frozen layers + remaining variables).
   """
   out = {}
-  for key, l in _frozen_layers(frozen).items():
-    nw = int(np.prod(l.kernel_shape)) * _stack_size(frozen, key)
+  for key, (l, n_layers) in _frozen_layers(frozen).items():
+    nw = int(np.prod(l.kernel_shape)) * n_layers
     extra = [l.bias, l.scale_a, l.bias_a]
     fp32 = 4 * nw + sum(4 * int(np.prod(np.shape(e))) for e in extra if e is not None)
     fb = sum(_nbytes(getattr(l, f)) for f in _ARRAY_FIELDS)
