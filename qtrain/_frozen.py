@@ -237,7 +237,6 @@ def sparsity_of(meta, x, what: str):
   return sparsity_lib.sparsify(x, sparsity_lib.Sparsity(*meta), what=what)
 
 
-
 def lora_meta(rule) -> tuple | None:
   """The hashable ``lora`` metadata of an op under ``rule`` (None without an adapter)."""
   if not rule.has_lora:

@@ -608,14 +608,6 @@ def reframe_direct_calls(model, provider, sites: Callable) -> None:
       node.__class__ = _framed_class(type(node), user=False)
 
 
-def direct_ops(model) -> list[str]:
-  """``"path:op id"`` of every quantized direct call (a QtOp kept under its op id) in ``model``."""
-  return sorted(f"{op.path or '<root>'}:{name}" for _, node in nnx.iter_graph(model)
-                if isinstance(node, nnx.Module)
-                for name, op in vars(node).items()
-                if isinstance(op, QtOp) and op.weight_param is not None)
-
-
 def _what(node) -> str:
   return type(node).__name__
 
