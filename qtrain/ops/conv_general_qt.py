@@ -86,16 +86,23 @@ def _low_precision_conv(a, b, p, *, is_float: bool, backend: str | None = None) 
   On the CPU: int8 x int8 -> int32 (fp8 x fp8 -> f32) in XLA; two fp8 kinds
   (e4m3fn x e5m2), which XLA's convolution does not mix, are convolved as
   float32 (every fp8 value, and every product of two, is exact in float32).
-  XLA's GPU backend cannot lower integer (or fp8) convolutions, so elsewhere the
-  quantized values are convolved as float32 at HIGHEST precision: every
-  product of int8 values is exact in float32, and so is the sum while it stays
-  below 2**24 in magnitude (guaranteed for windows of up to 1040 int8 x int8
-  values, or 2**24 binary ones; beyond that, only the last float32 bit can
-  differ). ``backend`` (default: ``jax.default_backend()``) picks the path.
+  XLA's GPU backend lowers no integer convolution with an integer output, so
+  elsewhere the quantized values are convolved as float32 at HIGHEST precision.
+  For integer codes XLA's GPU backend recognizes that form (a convolution of
+  int8 values converted to float32) and runs cuDNN's int8 convolution, whose
+  int32 accumulation is exact; where cuDNN has none for the geometry it stays a
+  float32 convolution, where every product of int8 values is exact and so is
+  the sum while it stays below 2**24 in magnitude (guaranteed for windows of up
+  to 1040 int8 x int8 values, or 2**24 binary ones; beyond that, only the last
+  float32 bit can differ). ``backend`` (default: ``jax.default_backend()``)
+  picks the path.
   """
   p = dict(p, precision=None)
-  a, b = _lax.optimization_barrier((a, b))
-  if (backend or jax.default_backend()) == "cpu":
+  on_cpu = (backend or jax.default_backend()) == "cpu"
+  if on_cpu or is_float:
+    # fp8 codes stay materialized in front of the float32 convolution (no convert fused into it).
+    a, b = _lax.optimization_barrier((a, b))
+  if on_cpu:
     if a.dtype != b.dtype:
       a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return _conv(a, b, p, jnp.float32 if is_float else jnp.int32).astype(jnp.float32)
@@ -124,6 +131,32 @@ def _as_matmul(p) -> bool:
   return p["batch_group_count"] == 1
 
 
+def _codes_factor(lq, rq, p) -> bool:
+  """Whether two QArrays convolve exactly on their values with the scales applied after: the
+  same kind of values (integer or float; no LUT qtype), no zero point, the input's scale
+  varying (at most) along its batch axis and the kernel's along its output-feature axis (a
+  passed-in scale may vary elsewhere, e.g. per input channel)."""
+  lhs_spec, rhs_spec, _ = p["dn"]
+  varies_only = lambda s, axis: all(n == 1 for a, n in enumerate(s.shape) if a != axis)
+  return (qdot.is_quantized(lq) and qdot.is_quantized(rq)
+          and lq.qtype.is_float == rq.qtype.is_float and not lq.qtype.is_lut
+          and not rq.qtype.is_lut and lq.zero_point is None and rq.zero_point is None
+          and varies_only(lq.scale, lhs_spec[0]) and varies_only(rq.scale, rhs_spec[0]))
+
+
+def _symbolic(*shapes) -> bool:
+  return any(jax.export.is_symbolic_dim(d) for shape in shapes for d in shape)
+
+
+def direct_forward(lq, rq, p) -> bool:
+  """Whether ``implementation="auto"`` runs this forward as XLA's own convolution of the codes
+  on a CUDA lowering (cuDNN's int8 implicit GEMM; exact, the numbers of the matrix product):
+  two integer-coded QArrays whose scales factor out (:func:`_codes_factor`), one feature group,
+  concrete shapes. fp8 codes, groups and everything else take the matrix product."""
+  return (_as_matmul(p) and p["feature_group_count"] == 1 and _codes_factor(lq, rq, p)
+          and not lq.qtype.is_float and not _symbolic(lq.shape, rq.shape))
+
+
 def quantized_conv(lq, rq, p, out_dtype, compute_dtype=None, implementation: str = "xla"):
   """Convolution over QArray/float operands (``p``: the conv's static parameters).
 
@@ -134,18 +167,25 @@ def quantized_conv(lq, rq, p, out_dtype, compute_dtype=None, implementation: str
   tensor, kernel per output feature or per tensor); otherwise as dispatch
   multiplies (two QArrays whose scales do not factor: float32; a float side:
   ``compute_dtype``, the quantized side dequantized into it), accumulated in
-  float32. ``batch_group_count > 1``: XLA's convolution (see the module
-  docstring). :mod:`qtrain.freeze` calls it so frozen inference reproduces
-  training's arithmetic.
+  float32. With ``implementation="auto"`` a CUDA lowering runs two integer-coded
+  operands (:func:`direct_forward`) as XLA's convolution of the codes instead: cuDNN's
+  int8 convolution, the same exact sums without the patches in memory.
+  ``batch_group_count > 1``: XLA's convolution (see the module docstring).
+  :mod:`qtrain.freeze` calls it so frozen inference reproduces training's arithmetic.
   """
   both = qdot.is_quantized(lq) and qdot.is_quantized(rq)
   if _as_matmul(p):
-    geo = im2col.geometry(lq.shape, rq.shape, p)
-    a, b = im2col.patches_operand(lq, geo), im2col.kernel_operand(rq, geo)
-    y = dispatch.quantized_dot_general(
-        a, b, geo.dot_dimension_numbers(), preferred_element_type=out_dtype,
-        implementation=implementation, compute_dtype=jnp.float32 if both else compute_dtype)
-    return im2col.output_layout(y, geo)
+    def as_matmul():
+      geo = im2col.geometry(lq.shape, rq.shape, p)
+      a, b = im2col.patches_operand(lq, geo), im2col.kernel_operand(rq, geo)
+      y = dispatch.quantized_dot_general(
+          a, b, geo.dot_dimension_numbers(), preferred_element_type=out_dtype,
+          implementation=implementation, compute_dtype=jnp.float32 if both else compute_dtype)
+      return im2col.output_layout(y, geo)
+    if implementation == "auto" and direct_forward(lq, rq, p):
+      return jax.lax.platform_dependent(
+          cuda=lambda: _xla_conv(lq, rq, p, out_dtype, backend="gpu"), default=as_matmul)
+    return as_matmul()
   if implementation not in ("xla", "auto"):
     raise ValueError(f"implementation={implementation!r}: a convolution with batch_group_count="
                      f"{p['batch_group_count']} runs as XLA's convolution, not as a matrix product "
@@ -153,21 +193,16 @@ def quantized_conv(lq, rq, p, out_dtype, compute_dtype=None, implementation: str
   return _xla_conv(lq, rq, p, out_dtype, compute_dtype)
 
 
-def _xla_conv(lq, rq, p, out_dtype, compute_dtype=None):
-  """XLA's convolution of QArray/float operands (``batch_group_count > 1``)."""
+def _xla_conv(lq, rq, p, out_dtype, compute_dtype=None, backend: str | None = None):
+  """XLA's convolution of QArray/float operands (``batch_group_count > 1``, and
+  :func:`direct_forward`'s convolutions on a GPU). ``backend``: as for
+  :func:`_low_precision_conv`."""
   lhs_spec, rhs_spec, out_spec = p["dn"]
-  both = qdot.is_quantized(lq) and qdot.is_quantized(rq)
-  # Scales factor out of the convolution only when the input's varies (at
-  # most) along its batch axis and the kernel's along its output-feature axis;
-  # a passed-in scale may vary elsewhere (e.g. per input channel): then the
+  # Scales that do not factor out (or a LUT qtype, whose codes are not numbers): the
   # dequantized operands are convolved in float32 below.
-  varies_only = lambda s, axis: all(n == 1 for a, n in enumerate(s.shape) if a != axis)
-  # A value-set (LUT) qtype's codes are not numbers: it is convolved dequantized (below).
-  if (both and lq.qtype.is_float == rq.qtype.is_float and not lq.qtype.is_lut
-      and not rq.qtype.is_lut and lq.zero_point is None
-      and rq.zero_point is None and varies_only(lq.scale, lhs_spec[0])
-      and varies_only(rq.scale, rhs_spec[0])):
-    acc = _low_precision_conv(lq.qvalue, rq.qvalue, p, is_float=lq.qtype.is_float)
+  if _codes_factor(lq, rq, p):
+    acc = _low_precision_conv(lq.qvalue, rq.qvalue, p, is_float=lq.qtype.is_float,
+                              backend=backend)
     nd = acc.ndim
     def to_out(s, axis_in, axis_out):
       v = s.reshape(-1)  # varies along axis_in only (or is one value)
@@ -225,7 +260,18 @@ def _bwd(p, config, out_dtype, meta, res, g):
   ldtype, rdtype, varying = meta
   k_l, k_r = dqt.split_key(kd, (config.dlhs_grad, config.drhs_grad))
   if _as_matmul(p):
-    lhs_bar, rhs_bar = _matmul_grads(p, config, lres, rres, g, k_l, k_r, (ldtype, rdtype))
+    dtypes = (ldtype, rdtype)
+    patches = lambda: _matmul_grads(p, config, lres, rres, g, k_l, k_r, dtypes)
+    direct_l, direct_r = direct_float_grads(p, config, lres, rres, g)
+    if direct_l or direct_r:
+      def cuda():
+        pl, pr = _matmul_grads(p, config, lres, rres, g, k_l, k_r, dtypes,
+                               need=(not direct_l, not direct_r))
+        tl, tr = _transposed_conv_grads(p, lres, rres, g, dtypes, need=(direct_l, direct_r))
+        return (tl if direct_l else pl), (tr if direct_r else pr)
+      lhs_bar, rhs_bar = jax.lax.platform_dependent(cuda=cuda, default=patches)
+    else:
+      lhs_bar, rhs_bar = patches()
   else:
     lhs_bar, rhs_bar = _xla_conv_grads(p, config, lres, rres, g, k_l, k_r, (ldtype, rdtype))
   lhs_bar, ls_bar = dqt.finish_operand_grad(lhs_bar, lres, config.lhs, ldtype)
@@ -233,9 +279,55 @@ def _bwd(p, config, out_dtype, meta, res, g):
   return (*dqt.typed_like_operands((lhs_bar, rhs_bar, ls_bar, rs_bar), varying), None)
 
 
-def _matmul_grads(p, config, lres, rres, g, k_l, k_r, dtypes):
+def direct_float_grads(p, config, lres, rres, g) -> tuple[bool, bool]:
+  """Which backward products ``implementation="auto"`` runs as XLA's transposes of the
+  convolution (cuDNN's dgrad / wgrad) on a CUDA lowering, rather than on the patches: those
+  whose gradient is not quantized (``dlhs_grad`` / ``drhs_grad`` None), when the forward
+  took the product of :func:`_codes_factor`'s operands or of a float side with a residual
+  whose codes factor (so the other factor is the residual dequantized into the product's
+  dtype, as on the patches); no learned scale (its gradient needs the float32 product); one
+  feature group; concrete shapes."""
+  a, b = lres.value, rres.value
+  lhs_spec, rhs_spec, _ = p["dn"]
+  plain = lambda v, spatial: not qdot.is_quantized(v) or im2col.keeps_codes(v, spatial)
+  ok = (config.implementation == "auto" and p["feature_group_count"] == 1
+        and lres.given_scale is None and rres.given_scale is None
+        and plain(a, lhs_spec[2:]) and plain(b, rhs_spec[2:])
+        and not _symbolic(a.shape, b.shape, g.shape))
+  return ok and config.dlhs_grad is None, ok and config.drhs_grad is None
+
+
+def _transposed_conv_grads(p, lres, rres, g, dtypes, need=(True, True)):
+  """The float backward products as XLA's transposes of the convolution: the incoming
+  gradient times the other residual, both in the product's dtype (``promote_types`` of the
+  gradient's and that operand's original dtype, as on the patches; float32 products at
+  HIGHEST precision), accumulated in float32 and rounded once. Returns the input's gradient
+  in float32 and the kernel's in its own dtype (what :func:`_matmul_grads` returns)."""
+  ldtype, rdtype = dtypes
+  a_val, b_val = lres.value, rres.value
+  def product_conv(other_dtype):
+    ct = dqt.compute_dtype(g.dtype, other_dtype)
+    q = dict(p, precision=jax.lax.Precision.HIGHEST if ct == jnp.float32 and p["precision"] is None
+             else p["precision"])
+    return ct, lambda a, b: _conv(a, b, q, None)
+  lhs_bar = rhs_bar = None
+  if need[0]:
+    ct, conv = product_conv(rdtype)
+    w = _as_dtype(b_val, ct)
+    _, vjp = jax.vjp(lambda x: conv(x, w), jnp.zeros(a_val.shape, ct))
+    lhs_bar = vjp(g.astype(ct))[0].astype(jnp.float32)
+  if need[1]:
+    ct, conv = product_conv(ldtype)
+    x = _as_dtype(a_val, ct)
+    _, vjp = jax.vjp(lambda w: conv(x, w), jnp.zeros(b_val.shape, ct))
+    rhs_bar = vjp(g.astype(ct))[0].astype(rdtype)
+  return lhs_bar, rhs_bar
+
+
+def _matmul_grads(p, config, lres, rres, g, k_l, k_r, dtypes, need=(True, True)):
   """dot_general_qt's backward products of patches x kernel matrix; the
-  patches' gradient summed back over the windows in float32."""
+  patches' gradient summed back over the windows in float32. ``need``: which of the two
+  (None for the other)."""
   ldtype, rdtype = dtypes
   a_val, b_val = lres.value, rres.value
   geo = im2col.geometry(a_val.shape, b_val.shape, p)
@@ -246,17 +338,21 @@ def _matmul_grads(p, config, lres, rres, g, k_l, k_r, dtypes):
   # A residual dequantized for its patches (a zero point, a spatial scale) was
   # float32 in the forward's product: so is the other factor here.
   ydt = lambda q, v, dtype: jnp.float32 if qdot.is_quantized(q) and not qdot.is_quantized(v) else dtype
-  dp = backward_product(gm, b, dn, a.ndim, swap_ans=False, gq=config.dlhs_grad, key=k_l,
-                        implementation=config.implementation, x_shape=a.shape,
-                        out_dtype=jnp.float32, y_dtype=ydt(b_val, b, rdtype))
-  lhs_bar = im2col.patches_transpose(dp, geo, a_val.shape)
-  # As dot_general_qt: the kernel's gradient in its own dtype unless a learned
-  # scale needs float32 (the same numbers: one rounding at the end either way).
-  w_dtype = rdtype if rres.given_scale is None else jnp.float32
-  dw = backward_product(gm, a, ((rc, lc), (rb, lb)), b.ndim, swap_ans=True, gq=config.drhs_grad,
-                        key=k_r, implementation=config.implementation, x_shape=b.shape,
-                        out_dtype=w_dtype, y_dtype=ydt(a_val, a, ldtype))
-  return lhs_bar, im2col.kernel_from_matrix(dw, geo, b_val.shape)
+  lhs_bar = rhs_bar = None
+  if need[0]:
+    dp = backward_product(gm, b, dn, a.ndim, swap_ans=False, gq=config.dlhs_grad, key=k_l,
+                          implementation=config.implementation, x_shape=a.shape,
+                          out_dtype=jnp.float32, y_dtype=ydt(b_val, b, rdtype))
+    lhs_bar = im2col.patches_transpose(dp, geo, a_val.shape)
+  if need[1]:
+    # As dot_general_qt: the kernel's gradient in its own dtype unless a learned
+    # scale needs float32 (the same numbers: one rounding at the end either way).
+    w_dtype = rdtype if rres.given_scale is None else jnp.float32
+    dw = backward_product(gm, a, ((rc, lc), (rb, lb)), b.ndim, swap_ans=True,
+                          gq=config.drhs_grad, key=k_r, implementation=config.implementation,
+                          x_shape=b.shape, out_dtype=w_dtype, y_dtype=ydt(a_val, a, ldtype))
+    rhs_bar = im2col.kernel_from_matrix(dw, geo, b_val.shape)
+  return lhs_bar, rhs_bar
 
 
 def _xla_conv_grads(p, config, lres, rres, g, k_l, k_r, dtypes):

@@ -220,6 +220,13 @@ def _spatially_constant(q: qa.QArray, spatial) -> bool:
   return q.zero_point is None and all(q.scale.shape[a] == 1 for a in spatial)
 
 
+def keeps_codes(x, spatial) -> bool:
+  """Whether :func:`patches_operand` / :func:`kernel_operand` keep a QArray's codes (no LUT
+  qtype, no zero point, a scale constant over the ``spatial`` axes); a QArray that does not is
+  dequantized into float32 first. False for a float array."""
+  return qdot.is_quantized(x) and not x.qtype.is_lut and _spatially_constant(x, spatial)
+
+
 def patches_operand(x, geo: Geometry):
   """:func:`patches` of the conv's input as a product operand.
 
@@ -234,7 +241,7 @@ def patches_operand(x, geo: Geometry):
   if not qdot.is_quantized(x):
     return patches(x, geo)
   # A LUT qtype's code 0 is not the value 0 (nf4's is -1): its padding must be the value.
-  if x.qtype.is_lut or not _spatially_constant(x, geo.lhs_spec[2:]):
+  if not keeps_codes(x, geo.lhs_spec[2:]):
     return patches(x.dequantize(jnp.float32), geo)
   codes = patches(x.qvalue, geo)
   s = _canonical_input(x.scale.astype(jnp.float32), geo)  # (N|1, 1..., C|1)
@@ -258,7 +265,7 @@ def kernel_operand(w, geo: Geometry):
   input channel is laid onto the matrix; others are dequantized into float32)."""
   if not qdot.is_quantized(w):
     return kernel_matrix(w, geo)
-  if w.qtype.is_lut or not _spatially_constant(w, geo.rhs_spec[2:]):
+  if not keeps_codes(w, geo.rhs_spec[2:]):
     return kernel_matrix(w.dequantize(jnp.float32), geo)
   s = jnp.transpose(w.scale.astype(jnp.float32), _kernel_perm(geo))  # C/G|1 and O|1 sized
   ci, co, kk = s.shape[0 if geo.channel_major else -2], s.shape[-1], math.prod(geo.window)

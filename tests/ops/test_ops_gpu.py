@@ -305,3 +305,61 @@ def test_gradient_pair_training_gradients_match_the_xla_path(m):
   (gx, gw), (rx, rw) = grads("auto"), grads("xla")
   np.testing.assert_array_equal(np.asarray(gx, np.float32), np.asarray(rx, np.float32))
   np.testing.assert_array_equal(np.asarray(gw, np.float32), np.asarray(rw, np.float32))
+
+
+# conv_general_qt under "auto": the forward of two integer-coded operands as XLA's
+# convolution of the codes (cuDNN's int8 convolution), the float-gradient backward products
+# as XLA's convolution transposes. (input, kernel, strides, padding, layout)
+_CONV_CASES = {
+    "3x3": ((8, 16, 16, 64), (3, 3, 64, 64), (1, 1), "SAME", ("NHWC", "HWIO", "NHWC")),
+    "3x3_s2": ((8, 16, 16, 64), (3, 3, 64, 128), (2, 2), ((1, 1), (1, 1)), ("NHWC", "HWIO", "NHWC")),
+    "1x1_s2": ((8, 16, 16, 64), (1, 1, 64, 128), (2, 2), "VALID", ("NHWC", "HWIO", "NHWC")),
+    "7x7_s2_c3": ((4, 32, 32, 3), (7, 7, 3, 64), (2, 2), ((3, 3), (3, 3)), ("NHWC", "HWIO", "NHWC")),
+    "c1_o10": ((16, 14, 14, 1), (3, 3, 1, 10), (1, 1), "SAME", ("NHWC", "HWIO", "NHWC")),
+    "nchw": ((4, 32, 12, 12), (48, 32, 3, 3), (1, 1), "SAME", ("NCHW", "OIHW", "NCHW")),
+    "1d": ((4, 64, 32), (5, 32, 48), (1,), "SAME", ("NWC", "WIO", "NWC")),
+    "3d": ((2, 6, 6, 6, 16), (3, 3, 3, 16, 32), (1, 1, 1), "SAME", ("NDHWC", "DHWIO", "NDHWC")),
+}
+
+
+def _conv_case(case, qtype, grads, implementation):
+  xs, ws, strides, padding, dn = _CONV_CASES[case]
+  cal = "absmean" if qtype == "binary" else "absmax"
+  gq = qops.GradQuant(qtype="int8", stochastic_rounding="low_bit_hash") if grads == "int8" else None
+  cfg = qops.ConvGeneralQtConfig(lhs=qops.OperandQuant(qtype=qtype, calibration=cal),
+                               rhs=qops.OperandQuant(qtype=qtype, calibration=cal),
+                               dlhs_grad=gq, drhs_grad=gq, implementation=implementation)
+  fwd = lambda x, w: qops.conv_general_qt(x, w, strides, padding, dimension_numbers=dn,
+                                          config=cfg, key=jax.random.key(5))
+  rng = np.random.default_rng(11)
+  x = jnp.asarray(rng.standard_normal(xs), jnp.float32)
+  w = jnp.asarray(rng.standard_normal(ws) * 0.1, jnp.float32)
+  return fwd, x, w
+
+
+@pytest.mark.parametrize("grads", ["float", "int8"])
+@pytest.mark.parametrize("qtype", ["int8", "binary"])
+@pytest.mark.parametrize("case", sorted(_CONV_CASES))
+def test_conv_auto_direct_route_gives_the_matrix_products_numbers(case, qtype, grads):
+  auto, x, w = _conv_case(case, qtype, grads, "auto")
+  xla, _, _ = _conv_case(case, qtype, grads, "xla")
+  # Exact integer sums both ways, the same scale epilogue: the same bits.
+  np.testing.assert_array_equal(np.asarray(jax.jit(auto)(x, w)), np.asarray(jax.jit(xla)(x, w)))
+  loss = lambda f: jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), (0, 1)))
+  for a, b in zip(loss(auto)(x, w), loss(xla)(x, w)):
+    # float gradients: float32 products summed in another order; int8 gradients: both
+    # ways the matrix products (the int8 GEMM kernels against XLA's exact int8 dots).
+    assert _rel(a, b) < (BUDGET if grads == "float" else INT8_GRAD_BUDGET)
+
+
+def test_conv_auto_forward_runs_cudnns_int8_convolution():
+  auto, x, w = _conv_case("3x3", "int8", "float", "auto")
+  text = jax.jit(auto).lower(x, w).compile().as_text()
+  defs = _hlo_defs(text)
+  convs = [l for l in defs.values() if "__cudnn$conv" in l and "custom-call(" in l]
+  assert convs, text[-3000:]
+  def operand_types(line):
+    args = line.split("custom-call(", 1)[1].split(")", 1)[0]
+    return [_shape_of(defs[a.strip().lstrip("%")].split(" = ", 1)[1])[0]
+            for a in args.split(",") if a.strip().lstrip("%") in defs]
+  assert any(operand_types(l)[:2] == ["s8", "s8"] for l in convs), convs
