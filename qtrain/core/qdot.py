@@ -269,6 +269,33 @@ def _gemm_dims(lhs_ndim: int, rhs_ndim: int, nb: int, nc: int) -> DimensionNumbe
           (tuple(range(nb)), tuple(range(nb))))
 
 
+# The contraction length low-precision products are padded to a multiple of (see below).
+K_MULTIPLE = 64
+
+
+def pad_contraction(a: jax.Array, b: jax.Array, lc, rc) -> tuple[jax.Array, jax.Array]:
+  """Zero-pads the last contracting axis of both operands so the contraction's length is a
+  multiple of :data:`K_MULTIPLE` (exact: the added products are 0).
+
+  XLA's GPU Triton GEMM returns twice the true int8 x int8 -> int32 product when a
+  contraction, or the piece of it one split-K step takes, is not a multiple of 4 (jax 0.11.2,
+  H200, plain int8 inputs: K = 2, 3, 5, 6, 7, 9..15 and 33..39 of those measured, and a
+  432-long contraction that XLA split 8 ways into pieces of 54); a multiple of 64 leaves every
+  split XLA picks a multiple of 4.
+  """
+  lc, rc = tuple(lc), tuple(rc)
+  if not lc:
+    return a, b
+  k = math.prod(a.shape[i] for i in lc)
+  if k == 0 or k % K_MULTIPLE == 0:
+    return a, b
+  last = a.shape[lc[-1]]
+  step = K_MULTIPLE // math.gcd(k // last, K_MULTIPLE)
+  pad = -last % step
+  widths = lambda x, axis: [(0, pad) if i == axis else (0, 0) for i in range(x.ndim)]
+  return jnp.pad(a, widths(a, lc[-1])), jnp.pad(b, widths(b, rc[-1]))
+
+
 def dot_general_quantized_xla(
     lhs, rhs, dimension_numbers, *, preferred_element_type, precision=None, transpose=None,
     compute_dtype=None,
@@ -342,9 +369,11 @@ def dot_general_quantized_xla(
       return x if perm == tuple(range(x.ndim)) else transpose(x, perm)
     terms = [(sg, to_gemm(a, lperm), to_gemm(b, rperm)) for sg, a, b in terms]
     dn2 = _gemm_dims(len(lperm), len(rperm), len(lb2), len(lc2))
+  if not mixed:
+    terms = [(sg, *pad_contraction(a, b, dn2[0][0], dn2[0][1])) for sg, a, b in terms]
   # Materialize the int8/fp8 operands: XLA's GPU Triton GEMM fusion pulls the
   # quantize ops into the GEMM's prologue and was measured (jax 0.11.2, H200)
-  # returning 2x results under jit; on plain int8 inputs it is exact.
+  # returning 2x results under jit.
   terms = [(sg, *_lax.optimization_barrier((a, b))) for sg, a, b in terms]
   acc = None
   for sg, a, b in terms:

@@ -8,6 +8,7 @@ product up to two float32 roundings, inf only where that is beyond float32,
 NaN only from NaN scales.
 """
 
+import math
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,3 +159,24 @@ def test_integer_times_fp8_applies_scales_after_the_codes_product(int_side):
   tol = (k * 2.0 ** -24 + 2 * TWO_ROUNDINGS) * (np.abs(codes(iq) * np.asarray(iq.scale, np.float64))
                                                 @ np.abs(codes(fq) * np.asarray(fq.scale, np.float64)))
   assert np.all(np.abs(out - ref) <= tol), np.max(np.abs(out - ref) / tol)
+
+
+@pytest.mark.parametrize("lshape,rshape,dn", [
+    ((5, 9), (9, 3), (((1,), (0,)), ((), ()))),
+    ((2, 6, 6, 6, 4), (2, 6, 6, 6, 7), (((0, 1, 2, 3), (0, 1, 2, 3)), ((), ()))),
+    ((3, 7, 5), (3, 4, 7), (((1,), (2,)), ((0,), (0,)))),
+    ((4, 64), (64, 3), (((1,), (0,)), ((), ()))),
+])
+def test_pad_contraction_keeps_the_product_and_makes_k_a_multiple(lshape, rshape, dn):
+  (lc, rc), _ = dn
+  rng = np.random.default_rng(0)
+  a = jnp.asarray(rng.integers(-127, 128, lshape), jnp.int8)
+  b = jnp.asarray(rng.integers(-127, 128, rshape), jnp.int8)
+  pa, pb = qdot.pad_contraction(a, b, lc, rc)
+  k = math.prod(pa.shape[i] for i in lc)
+  assert k % qdot.K_MULTIPLE == 0 and k == math.prod(pb.shape[i] for i in rc)
+  assert k - math.prod(lshape[i] for i in lc) < qdot.K_MULTIPLE * max(
+      1, math.prod(lshape[i] for i in lc) // lshape[lc[-1]])
+  want = jax.lax.dot_general(a, b, dn, preferred_element_type=jnp.int32)
+  got = jax.lax.dot_general(pa, pb, dn, preferred_element_type=jnp.int32)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

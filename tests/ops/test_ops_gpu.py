@@ -363,3 +363,16 @@ def test_conv_auto_forward_runs_cudnns_int8_convolution():
     return [_shape_of(defs[a.strip().lstrip("%")].split(" = ", 1)[1])[0]
             for a in args.split(",") if a.strip().lstrip("%") in defs]
   assert any(operand_types(l)[:2] == ["s8", "s8"] for l in convs), convs
+
+
+@pytest.mark.parametrize("k", [2, 3, 9, 14, 35, 432])
+def test_int8_products_of_any_contraction_length_match_the_cpu(k):
+  # XLA's GPU Triton GEMM returned twice the int8 product for contractions (or split-K
+  # pieces) that are not multiples of 4; qdot.pad_contraction pads them with zeros.
+  cfg = qops.DotGeneralQtConfig(lhs=qops.OperandQuant(qtype="int8"),
+                              rhs=qops.OperandQuant(qtype="int8"), implementation="xla")
+  rng = np.random.default_rng(k)
+  x = jnp.asarray(rng.standard_normal((512, k)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((k, 32)), jnp.float32)
+  g, c = _both(lambda x, w: qops.dot_general_qt(x, w, (((1,), (0,)), ((), ())), cfg), x, w)
+  np.testing.assert_array_equal(np.asarray(g), np.asarray(c))
