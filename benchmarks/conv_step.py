@@ -13,10 +13,13 @@ Configs (the 3x3 and 1x1 convolutions of the residual stages quantized,
 
 * ``bf16``: XLA / cuDNN convolutions.
 * ``qtrain_int8``: int8 weights and activations, int8 gradients
-  (``low_bit_uniform`` stochastic rounding); each convolution runs as
-  patches x kernel matrix on the int8 GEMM (:mod:`qtrain.ops.im2col`).
-* ``qtrain_binary``: binary weights and activations (absmean scales), float backward; the
-  stages' ReLUs replaced by the identity (the next convolution binarizes: see ResNet18).
+  (``low_bit_uniform`` stochastic rounding); the forward as cuDNN's int8 convolution of the
+  codes, both gradient products as patches x kernel matrix on the int8 GEMM
+  (:mod:`qtrain.ops.im2col`).
+* ``qtrain_int8_fwd``: the same forward, float gradients (cuDNN's dgrad / wgrad in bf16).
+* ``qtrain_binary``: binary weights and activations (absmean scales), float backward: the
+  forward as cuDNN's int8 convolution of the +-1 codes, the backward as cuDNN's dgrad / wgrad;
+  the stages' ReLUs replaced by the identity (the next convolution binarizes: see ResNet18).
 
   python3 benchmarks/conv_step.py --out-dir $OUT          # on the GPU machine
   python3 benchmarks/conv_step.py --image 32 --batch 2 --steps 1 --repeats 1   # CPU smoke run
@@ -46,7 +49,7 @@ from benchmarks import _record  # noqa: E402
 
 CONFIGS = {
     "bf16": "no quantization (XLA / cuDNN convolutions)",
-    "qtrain_int8": "w8a8 convs, int8 gradients, low_bit_uniform SR (patches on the int8 GEMM)",
+    "qtrain_int8": "w8a8 convs (cuDNN int8 forward), int8 gradients on the patches, low_bit_uniform SR",
     "qtrain_int8_fwd": "w8a8 convs forward, float backward",
     "qtrain_binary": "binary weights and activations (absmean), float backward",
 }

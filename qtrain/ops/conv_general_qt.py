@@ -9,7 +9,11 @@ matrix product (:mod:`qtrain.ops.im2col`): patches of the input's codes
 times the kernel's codes as a matrix, through
 :func:`qtrain.ops.dispatch.quantized_dot_general` — int8 x int8 -> int32 or
 fp8 x fp8 -> f32, exact, scales after; on a GPU the int8 GEMM or a Pallas
-kernel where ``implementation`` picks one. Strides, padding, dilations,
+kernel where ``implementation`` picks one. With ``implementation="auto"`` a CUDA
+lowering runs two integer-coded operands as XLA's convolution of the codes instead
+(cuDNN's int8 convolution: the same exact sums, no patches in memory), and the
+backward products whose gradient is not quantized as XLA's convolution transposes
+(:func:`direct_forward`, :func:`direct_float_grads`). Strides, padding, dilations,
 feature groups (a batch axis of the product) and any layout (NHWC, NCHW,
 ...) are supported.
 

@@ -1,10 +1,11 @@
 """The QT ops jitted on the GPU give the numbers the same ops give on the CPU; GPU only.
 
 XLA's GPU Triton GEMM fusion once returned 2x results for quantized dots whose
-int8 operands were produced by fused quantize ops (jax 0.11.2, H200); XLA's GPU
-backend cannot lower integer convolutions. These tests pin both workarounds
-(qdot materializes its low-precision operands; conv_general_qt convolves
-integer values in float32 at HIGHEST precision off the CPU).
+int8 operands were produced by fused quantize ops (jax 0.11.2, H200), and its Triton
+int8 GEMM returns 2x for short contractions; XLA's GPU backend lowers no integer
+convolution with an integer output. These tests pin the workarounds (qdot materializes
+its low-precision operands and pads their contractions; conv_general_qt convolves
+integer values as float32 off the CPU, which XLA runs as cuDNN's int8 convolution).
 
 Run on the GPU machine: ``PYTHONPATH=. python -m pytest -m gpu tests/ops/test_ops_gpu.py``.
 """
@@ -322,6 +323,17 @@ _CONV_CASES = {
 }
 
 
+# Known defect (jax 0.11.2, H200): one of these cases' int8 gradient products comes back twice
+# its value from XLA's Triton int8 GEMM (a split-K or fused-epilogue configuration XLA's
+# autotuner picks; qdot.pad_contraction fixes only short contractions): the "xla" path's
+# input gradient in both, "auto"'s kernel gradient of the one-channel convolution. Strict: a
+# fix turns these into failures to remove. docs/findings.md, "XLA's Triton int8 GEMM".
+_XLA_INT8_GEMM_2X = {
+    "c1_o10": "XLA GPU Triton int8 GEMM returns 2x (one-channel 3x3 conv, int8 gradients)",
+    "3d": "XLA GPU Triton int8 GEMM returns 2x (3-D conv input gradient, implementation='xla')",
+}
+
+
 def _conv_case(case, qtype, grads, implementation):
   xs, ws, strides, padding, dn = _CONV_CASES[case]
   cal = "absmean" if qtype == "binary" else "absmax"
@@ -340,7 +352,9 @@ def _conv_case(case, qtype, grads, implementation):
 @pytest.mark.parametrize("grads", ["float", "int8"])
 @pytest.mark.parametrize("qtype", ["int8", "binary"])
 @pytest.mark.parametrize("case", sorted(_CONV_CASES))
-def test_conv_auto_direct_route_gives_the_matrix_products_numbers(case, qtype, grads):
+def test_conv_auto_direct_route_gives_the_matrix_products_numbers(case, qtype, grads, request):
+  if grads == "int8" and case in _XLA_INT8_GEMM_2X:
+    request.node.add_marker(pytest.mark.xfail(strict=True, reason=_XLA_INT8_GEMM_2X[case]))
   auto, x, w = _conv_case(case, qtype, grads, "auto")
   xla, _, _ = _conv_case(case, qtype, grads, "xla")
   # Exact integer sums both ways, the same scale epilogue: the same bits.
