@@ -269,20 +269,15 @@ def _gemm_dims(lhs_ndim: int, rhs_ndim: int, nb: int, nc: int) -> DimensionNumbe
           (tuple(range(nb)), tuple(range(nb))))
 
 
-# The contraction length low-precision products are padded to a multiple of (see below).
+# Low-precision products reach XLA with their contraction padded to a multiple of K_MULTIPLE and
+# the last free axis of each operand to a multiple of FREE_MULTIPLE (see pad_for_gemm).
 K_MULTIPLE = 64
+FREE_MULTIPLE = 16
 
 
 def pad_contraction(a: jax.Array, b: jax.Array, lc, rc) -> tuple[jax.Array, jax.Array]:
   """Zero-pads the last contracting axis of both operands so the contraction's length is a
-  multiple of :data:`K_MULTIPLE` (exact: the added products are 0).
-
-  XLA's GPU Triton GEMM returns twice the true int8 x int8 -> int32 product when a
-  contraction, or the piece of it one split-K step takes, is not a multiple of 4 (jax 0.11.2,
-  H200, plain int8 inputs: K = 2, 3, 5, 6, 7, 9..15 and 33..39 of those measured, and a
-  432-long contraction that XLA split 8 ways into pieces of 54); a multiple of 64 leaves every
-  split XLA picks a multiple of 4.
-  """
+  multiple of :data:`K_MULTIPLE` (exact: the added products are 0)."""
   lc, rc = tuple(lc), tuple(rc)
   if not lc:
     return a, b
@@ -294,6 +289,44 @@ def pad_contraction(a: jax.Array, b: jax.Array, lc, rc) -> tuple[jax.Array, jax.
   pad = -last % step
   widths = lambda x, axis: [(0, pad) if i == axis else (0, 0) for i in range(x.ndim)]
   return jnp.pad(a, widths(a, lc[-1])), jnp.pad(b, widths(b, rc[-1]))
+
+
+def pad_for_gemm(a: jax.Array, b: jax.Array, dimension_numbers):
+  """``(a, b, unpad)``: the operands of a low-precision ``dot_general`` zero-padded for XLA's
+  GPU GEMMs, and the function that cuts the product back to its true shape (exact: padded
+  rows and columns are sliced off, padded contraction terms are 0).
+
+  XLA's GPU Triton int8 GEMM returns twice the true int8 x int8 -> int32 product for shapes
+  it does not tile evenly (jax 0.11.2, H200, plain int8 inputs): contractions that are short
+  and not a multiple of 4 (K = 2, 3, 5, 6, 7, 9..15 and 33..39 of those measured), a
+  contraction XLA split into pieces that are not (432 split 8 ways into 54), and free axes of
+  9 or 10. The contraction is padded to a multiple of :data:`K_MULTIPLE` (every split XLA
+  picks is then a multiple of 4) and each operand's last free axis to a multiple of
+  :data:`FREE_MULTIPLE`; on shapes already aligned (model widths) nothing changes.
+  """
+  (lc, rc), (lb, rb) = dimension_numbers
+  a, b = pad_contraction(a, b, lc, rc)
+  lfree, rfree = free_axes(a.ndim, lc, lb), free_axes(b.ndim, rc, rb)
+
+  def pad_last_free(x, free):
+    if not free or x.shape[free[-1]] % FREE_MULTIPLE == 0:
+      return x, None
+    n = x.shape[free[-1]]
+    widths = [(0, -n % FREE_MULTIPLE) if i == free[-1] else (0, 0) for i in range(x.ndim)]
+    return jnp.pad(x, widths), n
+
+  a, ln = pad_last_free(a, lfree)
+  b, rn = pad_last_free(b, rfree)
+
+  def unpad(out: jax.Array) -> jax.Array:
+    # The product's axes: (batch..., lhs free..., rhs free...).
+    if ln is not None:
+      out = jax.lax.slice_in_dim(out, 0, ln, axis=len(lb) + len(lfree) - 1)
+    if rn is not None:
+      out = jax.lax.slice_in_dim(out, 0, rn, axis=out.ndim - 1)
+    return out
+
+  return a, b, unpad
 
 
 def dot_general_quantized_xla(
@@ -369,8 +402,10 @@ def dot_general_quantized_xla(
       return x if perm == tuple(range(x.ndim)) else transpose(x, perm)
     terms = [(sg, to_gemm(a, lperm), to_gemm(b, rperm)) for sg, a, b in terms]
     dn2 = _gemm_dims(len(lperm), len(rperm), len(lb2), len(lc2))
+  unpad = lambda t: t
   if not mixed:
-    terms = [(sg, *pad_contraction(a, b, dn2[0][0], dn2[0][1])) for sg, a, b in terms]
+    padded = [(sg, *pad_for_gemm(a, b, dn2)) for sg, a, b in terms]
+    terms, unpad = [(sg, a, b) for sg, a, b, _ in padded], padded[0][3]
   # Materialize the int8/fp8 operands: XLA's GPU Triton GEMM fusion pulls the
   # quantize ops into the GEMM's prologue and was measured (jax 0.11.2, H200)
   # returning 2x results under jit.
@@ -381,7 +416,7 @@ def dot_general_quantized_xla(
       t = _lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dn2,
                            precision=jax.lax.Precision.HIGHEST, preferred_element_type=acc_dtype)
     else:
-      t = _lax.dot_general(a, b, dn2, preferred_element_type=acc_dtype)
+      t = unpad(_lax.dot_general(a, b, dn2, preferred_element_type=acc_dtype))
     acc = t if acc is None else (acc + t if sg > 0 else acc - t)
   return scale_product(acc, ls_o, rs_o, grouped=grouped, out_dtype=out_dtype)
 

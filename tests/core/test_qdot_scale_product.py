@@ -180,3 +180,24 @@ def test_pad_contraction_keeps_the_product_and_makes_k_a_multiple(lshape, rshape
   want = jax.lax.dot_general(a, b, dn, preferred_element_type=jnp.int32)
   got = jax.lax.dot_general(pa, pb, dn, preferred_element_type=jnp.int32)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("lshape,rshape,dn", [
+    ((3136, 9), (9, 10), (((1,), (0,)), ((), ()))),
+    ((10, 3136), (3136, 9), (((1,), (0,)), ((), ()))),
+    ((2, 7, 5, 3), (2, 9, 5), (((2,), (2,)), ((0,), (0,)))),
+    ((32, 64), (64, 48), (((1,), (0,)), ((), ()))),
+])
+def test_pad_for_gemm_aligns_the_shapes_and_unpads_to_the_same_product(lshape, rshape, dn):
+  (lc, rc), (lb, rb) = dn
+  rng = np.random.default_rng(1)
+  a = jnp.asarray(rng.integers(-127, 128, lshape), jnp.int8)
+  b = jnp.asarray(rng.integers(-127, 128, rshape), jnp.int8)
+  pa, pb, unpad = qdot.pad_for_gemm(a, b, dn)
+  assert math.prod(pa.shape[i] for i in lc) % qdot.K_MULTIPLE == 0
+  for x, c, bt in ((pa, lc, lb), (pb, rc, rb)):
+    free = qdot.free_axes(x.ndim, c, bt)
+    assert x.shape[free[-1]] % qdot.FREE_MULTIPLE == 0
+  want = jax.lax.dot_general(a, b, dn, preferred_element_type=jnp.int32)
+  got = unpad(jax.lax.dot_general(pa, pb, dn, preferred_element_type=jnp.int32))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -323,17 +323,6 @@ _CONV_CASES = {
 }
 
 
-# Known defect (jax 0.11.2, H200): one of these cases' int8 gradient products comes back twice
-# its value from XLA's Triton int8 GEMM (a split-K or fused-epilogue configuration XLA's
-# autotuner picks; qdot.pad_contraction fixes only short contractions): the "xla" path's
-# input gradient in both, "auto"'s kernel gradient of the one-channel convolution. Strict: a
-# fix turns these into failures to remove. docs/findings.md, "XLA's Triton int8 GEMM".
-_XLA_INT8_GEMM_2X = {
-    "c1_o10": "XLA GPU Triton int8 GEMM returns 2x (one-channel 3x3 conv, int8 gradients)",
-    "3d": "XLA GPU Triton int8 GEMM returns 2x (3-D conv input gradient, implementation='xla')",
-}
-
-
 def _conv_case(case, qtype, grads, implementation):
   xs, ws, strides, padding, dn = _CONV_CASES[case]
   cal = "absmean" if qtype == "binary" else "absmax"
@@ -352,9 +341,7 @@ def _conv_case(case, qtype, grads, implementation):
 @pytest.mark.parametrize("grads", ["float", "int8"])
 @pytest.mark.parametrize("qtype", ["int8", "binary"])
 @pytest.mark.parametrize("case", sorted(_CONV_CASES))
-def test_conv_auto_direct_route_gives_the_matrix_products_numbers(case, qtype, grads, request):
-  if grads == "int8" and case in _XLA_INT8_GEMM_2X:
-    request.node.add_marker(pytest.mark.xfail(strict=True, reason=_XLA_INT8_GEMM_2X[case]))
+def test_conv_auto_direct_route_gives_the_matrix_products_numbers(case, qtype, grads):
   auto, x, w = _conv_case(case, qtype, grads, "auto")
   xla, _, _ = _conv_case(case, qtype, grads, "xla")
   # Exact integer sums both ways, the same scale epilogue: the same bits.
@@ -382,7 +369,7 @@ def test_conv_auto_forward_runs_cudnns_int8_convolution():
 @pytest.mark.parametrize("k", [2, 3, 9, 14, 35, 432])
 def test_int8_products_of_any_contraction_length_match_the_cpu(k):
   # XLA's GPU Triton GEMM returned twice the int8 product for contractions (or split-K
-  # pieces) that are not multiples of 4; qdot.pad_contraction pads them with zeros.
+  # pieces) that are not multiples of 4; qdot.pad_for_gemm pads them with zeros.
   cfg = qops.DotGeneralQtConfig(lhs=qops.OperandQuant(qtype="int8"),
                               rhs=qops.OperandQuant(qtype="int8"), implementation="xla")
   rng = np.random.default_rng(k)
