@@ -314,16 +314,22 @@ def _transposed_conv_grads(p, lres, rres, g, dtypes, need=(True, True)):
     q = dict(p, precision=jax.lax.Precision.HIGHEST if ct == jnp.float32 and p["precision"] is None
              else p["precision"])
     return ct, lambda a, b: _conv(a, b, q, None)
+  # Inside shard_map both factors are typed as varying over the mesh axes the incoming gradient
+  # varies over, so the transposes give per-shard cotangents as the patches' products do (the
+  # caller sums a replicated operand's over shards); JAX's vjp of an invariant primal would sum
+  # them itself. The primals' values are never read (the products are linear).
+  axes = dqt.varying_axes(g)
+  vary = lambda x: dqt.match_varying(x, axes | dqt.varying_axes(x))
   lhs_bar = rhs_bar = None
   if need[0]:
     ct, conv = product_conv(rdtype)
-    w = _as_dtype(b_val, ct)
-    _, vjp = jax.vjp(lambda x: conv(x, w), jnp.zeros(a_val.shape, ct))
+    w = vary(_as_dtype(b_val, ct))
+    _, vjp = jax.vjp(lambda x: conv(x, w), vary(_as_dtype(a_val, ct)))
     lhs_bar = vjp(g.astype(ct))[0].astype(jnp.float32)
   if need[1]:
     ct, conv = product_conv(ldtype)
-    x = _as_dtype(a_val, ct)
-    _, vjp = jax.vjp(lambda w: conv(x, w), jnp.zeros(b_val.shape, ct))
+    x = vary(_as_dtype(a_val, ct))
+    _, vjp = jax.vjp(lambda w: conv(x, w), vary(_as_dtype(b_val, ct)))
     rhs_bar = vjp(g.astype(ct))[0].astype(rdtype)
   return lhs_bar, rhs_bar
 

@@ -161,3 +161,24 @@ def test_transposed_float_grads_match_the_patches(case, name, dtype):
     u = 2.0 ** -8 if dt == jnp.bfloat16 else 0.0
     np.testing.assert_array_less(np.abs(a - b), u * np.abs(b) + 2.0 ** -19 * np.abs(b).max()
                                  + 1e-30, err_msg=name_)
+
+
+def test_auto_conv_gradients_inside_shard_map_type_both_routes_alike():
+  """Inside shard_map the direct route's transposes (traced on every platform, beside the
+  patches) must give per-shard cotangents typed as the patches' are: a batch-sharded input, a
+  replicated kernel, float gradients. One device: the values are the unsharded op's."""
+  from jax.sharding import Mesh, PartitionSpec as P
+  p = _params("3x3_same")
+  xs, ws, strides, padding, dn = GEOMETRIES["3x3_same"][:5]
+  x, w = _operands("3x3_same", jnp.float32, seed=5)
+  cfg = C.ConvGeneralQtConfig(lhs=OQ(qtype="int8"), rhs=OQ(qtype="int8"))
+  conv = lambda x, w: cg.conv_general_qt(x, w, strides, padding, dimension_numbers=dn, config=cfg)
+  loss = lambda x, w: jnp.sum(conv(x, w) ** 2)
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  def sharded(x, w):
+    gx, gw = jax.grad(loss, (0, 1))(x, w)
+    return gx, jax.lax.psum(gw, "data")
+  f = jax.jit(jax.shard_map(sharded, mesh=mesh, in_specs=(P("data"), P()),
+                            out_specs=(P("data"), P())))
+  for a, b in zip(f(x, w), jax.jit(jax.grad(loss, (0, 1)))(x, w)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
