@@ -648,8 +648,6 @@ class FrozenOp(nnx.Module):
     return self.lora_a[...], self.lora_b[...], key
 
 
-
-
 def _nnx_hooks(model, cls):
   """(path, owner module, attribute, op) of every ``cls`` op in ``model``: a layer's op
   attribute (``dot_general``, ``einsum_op``, ``conv_general_dilated``) or a module's direct

@@ -286,11 +286,10 @@ def _bwd(p, config, out_dtype, meta, res, g):
 def direct_float_grads(p, config, lres, rres, g) -> tuple[bool, bool]:
   """Which backward products ``implementation="auto"`` runs as XLA's transposes of the
   convolution (cuDNN's dgrad / wgrad) on a CUDA lowering, rather than on the patches: those
-  whose gradient is not quantized (``dlhs_grad`` / ``drhs_grad`` None), when the forward
-  took the product of :func:`_codes_factor`'s operands or of a float side with a residual
-  whose codes factor (so the other factor is the residual dequantized into the product's
-  dtype, as on the patches); no learned scale (its gradient needs the float32 product); one
-  feature group; concrete shapes."""
+  whose gradient is not quantized (``dlhs_grad`` / ``drhs_grad`` None), when each residual is
+  float or keeps its codes on the patches (:func:`qtrain.ops.im2col.keeps_codes`: the other
+  factor is then the residual dequantized into the product's dtype, as on the patches); no
+  learned scale (its gradient needs the float32 product); one feature group; concrete shapes."""
   a, b = lres.value, rres.value
   lhs_spec, rhs_spec, _ = p["dn"]
   plain = lambda v, spatial: not qdot.is_quantized(v) or im2col.keeps_codes(v, spatial)
@@ -317,19 +316,19 @@ def _transposed_conv_grads(p, lres, rres, g, dtypes, need=(True, True)):
   # Inside shard_map both factors are typed as varying over the mesh axes the incoming gradient
   # varies over, so the transposes give per-shard cotangents as the patches' products do (the
   # caller sums a replicated operand's over shards); JAX's vjp of an invariant primal would sum
-  # them itself. The primals' values are never read (the products are linear).
+  # them itself. The products are linear: the transposed factor's value is never read.
   axes = dqt.varying_axes(g)
   vary = lambda x: dqt.match_varying(x, axes | dqt.varying_axes(x))
   lhs_bar = rhs_bar = None
   if need[0]:
     ct, conv = product_conv(rdtype)
     w = vary(_as_dtype(b_val, ct))
-    _, vjp = jax.vjp(lambda x: conv(x, w), vary(_as_dtype(a_val, ct)))
+    _, vjp = jax.vjp(lambda x: conv(x, w), vary(jnp.zeros(a_val.shape, ct)))
     lhs_bar = vjp(g.astype(ct))[0].astype(jnp.float32)
   if need[1]:
     ct, conv = product_conv(ldtype)
     x = vary(_as_dtype(a_val, ct))
-    _, vjp = jax.vjp(lambda w: conv(x, w), vary(_as_dtype(b_val, ct)))
+    _, vjp = jax.vjp(lambda w: conv(x, w), vary(jnp.zeros(b_val.shape, ct)))
     rhs_bar = vjp(g.astype(ct))[0].astype(rdtype)
   return lhs_bar, rhs_bar
 
