@@ -259,7 +259,7 @@ def round_nearest(y: jax.Array, qt: qtypes.QType) -> jax.Array:
   return _clip(jnp.round(y), qt).astype(qt.compute_dtype)
 
 
-def _fp8_round_with_noise(y: jax.Array, dtype, u: jax.Array) -> jax.Array:
+def fp8_round_with_noise(y: jax.Array, dtype, u: jax.Array) -> jax.Array:
   """Rounds float32 ``y`` to a neighbour on the fp8 grid of ``dtype`` (not clipped).
 
   The magnitude goes up to the next grid value with probability equal to its
@@ -296,5 +296,5 @@ def stochastic_round(y: jax.Array, qt: qtypes.QType, key: jax.Array, *, method: 
   if qt.kind == "binary":
     return jnp.where(u < (1.0 + jnp.clip(y, -1, 1)) * 0.5, 1, -1).astype(jnp.int8)
   if qt.is_float:
-    return _clip(_fp8_round_with_noise(y, qt.compute_dtype, u), qt).astype(qt.compute_dtype)
+    return _clip(fp8_round_with_noise(y, qt.compute_dtype, u), qt).astype(qt.compute_dtype)
   return _clip(jnp.floor(y + u), qt).astype(qt.compute_dtype)

@@ -17,9 +17,11 @@ Per element, with ``fold_l`` (N,) / ``fold_r`` (M,) the folded residual scales a
   y_l = (g * fold_l[n]) * inv_l[m]   ->  codes_l[m, n]
   y_r = (g * fold_r[m]) * inv_r[n]   ->  codes_rt[n, m]
 
-each rounded to an integer qtype: to nearest (half to even), or stochastically with the bytes of
-:func:`qtrain.core.rounding.hash_words` of the element's word in the row-major order of ``g``'s
-own shape (``n_last``: the size of its last axis), then clipped to ``[qmin, qmax]``. These are
+each rounded to the gradient's qtype, an integer or an fp8 one (``code_dtype``): to nearest
+(integers half to even; fp8 by the conversion, also half to even), or stochastically with the
+bytes of :func:`qtrain.core.rounding.hash_words` of the element's word in the row-major order of
+``g``'s own shape (``n_last``: the size of its last axis; fp8 values go to a neighbour on their
+grid, :func:`qtrain.core.rounding.fp8_round_with_noise`), then clipped to ``[qmin, qmax]``. These are
 :func:`qtrain.core.qarray.quantize`'s operations in its order, the division by the scale as a
 multiplication by its reciprocal, which is what XLA computes for ``x / broadcast(scale)`` (the
 tests compare the codes with XLA's quantization bit for bit, on the CPU in the interpreter and
@@ -106,13 +108,23 @@ def _round_half_even(y):
   return jnp.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
 
 
-def _round(y, u, qmin: float, qmax: float):
-  r = _round_half_even(y) if u is None else jnp.floor(y + u)
-  return jnp.clip(r, qmin, qmax).astype(jnp.int8)
+CODE_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+"""The code dtypes the kernel writes: int8 (every integer qtype of <= 8 bits) and the fp8 ones."""
+
+
+def _round(y, u, qmin: float, qmax: float, code_dtype: str):
+  """:func:`qtrain.core.rounding.round_nearest` / ``stochastic_round``'s operations for an
+  integer or fp8 qtype (``u``: the noise, None to round to nearest)."""
+  if code_dtype == "int8":
+    r = _round_half_even(y) if u is None else jnp.floor(y + u)
+    return jnp.clip(r, qmin, qmax).astype(jnp.int8)
+  dtype = jnp.dtype(code_dtype)
+  r = y if u is None else rounding.fp8_round_with_noise(y, dtype, u)
+  return jnp.clip(r, qmin, qmax).astype(dtype)
 
 
 def _codes(g, fold_l, fold_r, inv_l, inv_r, row0, col0, seeds, *, n, qmin, qmax, n_last,
-           stochastic):
+           stochastic, code_dtype):
   """Both codes of the tile ``g`` at ``(row0, col0)`` of the (M, ``n``) gradient."""
   g = g.astype(jnp.float32)
   y_l = (g * fold_l[None, :]) * inv_l[:, None]
@@ -120,7 +132,7 @@ def _codes(g, fold_l, fold_r, inv_l, inv_r, row0, col0, seeds, *, n, qmin, qmax,
   noise = lambda s0, s1: _noise(row0, col0, g.shape, n, n_last, s0, s1)
   u_l = noise(seeds[0], seeds[1]) if stochastic[0] else None
   u_r = noise(seeds[2], seeds[3]) if stochastic[1] else None
-  return _round(y_l, u_l, qmin, qmax), _round(y_r, u_r, qmin, qmax)
+  return _round(y_l, u_l, qmin, qmax, code_dtype), _round(y_r, u_r, qmin, qmax, code_dtype)
 
 
 def _abs_bits(y):
@@ -182,18 +194,19 @@ def grad_pair_bounds(g, fold_l, fold_r, *, interpret: bool = False, block: int =
 
 
 def grad_pair_reference(g, fold_l, fold_r, inv_l, inv_r, seeds, *, qmin: float, qmax: float,
-                        n_last: int, stochastic: tuple[bool, bool]):
-  """:func:`grad_pair` in ``jnp`` (XLA): ``(codes_l (M, N), codes_rt (N, M))`` int8."""
+                        n_last: int, stochastic: tuple[bool, bool], code_dtype: str = "int8"):
+  """:func:`grad_pair` in ``jnp`` (XLA): ``(codes_l (M, N), codes_rt (N, M))`` of
+  ``code_dtype``."""
   c_l, c_r = _codes(g, fold_l, fold_r, inv_l, inv_r, 0, 0, seeds, n=g.shape[1], qmin=qmin,
-                    qmax=qmax, n_last=n_last, stochastic=stochastic)
+                    qmax=qmax, n_last=n_last, stochastic=stochastic, code_dtype=code_dtype)
   return c_l, c_r.T
 
 
-@functools.partial(jax.jit, static_argnames=("qmin", "qmax", "n_last", "stochastic", "interpret",
-                                             "block", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("qmin", "qmax", "n_last", "stochastic", "code_dtype",
+                                             "interpret", "block", "num_warps"))
 def grad_pair(g, fold_l, fold_r, inv_l, inv_r, seeds, *, qmin: float, qmax: float, n_last: int,
-              stochastic: tuple[bool, bool], interpret: bool = False, block: int = BLOCK,
-              num_warps: int = NUM_WARPS):
+              stochastic: tuple[bool, bool], code_dtype: str = "int8", interpret: bool = False,
+              block: int = BLOCK, num_warps: int = NUM_WARPS):
   """Both backward codes of ``g`` from one read (see the module docstring).
 
   Args:
@@ -204,25 +217,29 @@ def grad_pair(g, fold_l, fold_r, inv_l, inv_r, seeds, *, qmin: float, qmax: floa
     inv_r: (N,) float32 reciprocal of each column's scale (weight-gradient codes).
     seeds: (4,) uint32: the hash seeds ``(s0, s1)`` of each stochastic rounding
       (:func:`qtrain.core.rounding.hash_seeds`), input-gradient codes first.
-    qmin, qmax: the integer qtype's range.
+    qmin, qmax: the qtype's range.
     n_last: the size of the last axis of the gradient ``g`` was reshaped from (the hash's
       row length).
     stochastic: per code set, stochastic rounding (``low_bit_hash``) or to nearest.
+    code_dtype: one of :data:`CODE_DTYPES`: ``"int8"`` for an integer qtype, else the fp8
+      qtype's dtype.
     interpret: run in the Pallas interpreter (CPU tests).
     block: the square tile edge.
     num_warps: Triton warps per tile.
 
   Returns:
-    ``(codes_l (M, N), codes_rt (N, M))`` int8.
+    ``(codes_l (M, N), codes_rt (N, M))`` of ``code_dtype``.
   """
   m, n = g.shape
   why = supported(m, n, block)
   if why is not None:
     raise ValueError(f"grad_pair: {why}")
+  if code_dtype not in CODE_DTYPES:
+    raise ValueError(f"grad_pair: code_dtype={code_dtype!r}; valid: {', '.join(CODE_DTYPES)}")
   if n_last <= 0 or (m * n) % n_last:
     raise ValueError(f"grad_pair: n_last={n_last} does not divide the {m * n} elements")
   opts = dict(qmin=float(qmin), qmax=float(qmax), n_last=int(n_last),
-              stochastic=tuple(bool(s) for s in stochastic))
+              stochastic=tuple(bool(s) for s in stochastic), code_dtype=code_dtype)
 
   def kernel(seeds_ref, g_ref, fl_ref, fr_ref, il_ref, ir_ref, ol_ref, or_ref):
     i, j = pl.program_id(0), pl.program_id(1)
@@ -237,7 +254,7 @@ def grad_pair(g, fold_l, fold_r, inv_l, inv_r, seeds, *, qmin: float, qmax: floa
     warnings.simplefilter("ignore", DeprecationWarning)
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((m, n), jnp.int8), jax.ShapeDtypeStruct((n, m), jnp.int8)),
+        out_shape=(jax.ShapeDtypeStruct((m, n), code_dtype), jax.ShapeDtypeStruct((n, m), code_dtype)),
         grid=(m // block, n // block),
         in_specs=[pl.BlockSpec((4,), lambda i, j: (0,)),
                   pl.BlockSpec((block, block), lambda i, j: (i, j)),

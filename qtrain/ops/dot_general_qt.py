@@ -239,10 +239,12 @@ def _backward_dot(g_in, y_in, dims, perm, *, g_dtype, y_dtype, float_values: boo
 
 def _pair_grad_ok(gq) -> bool:
   """Whether :mod:`qtrain.kernels.grad_pair` computes this gradient quantization: an integer
-  qtype of <= 8 bits, plain absmax, one scale per row / column, no mesh axes, rounding to
-  nearest or ``low_bit_hash`` (the noise it can compute in place)."""
+  qtype of <= 8 bits or an fp8 one (not MX), plain absmax, one scale per row / column, no mesh
+  axes, rounding to nearest or ``low_bit_hash`` (the noise it can compute in place)."""
   cal = gq.calibration
-  return (gq.qtype.kind == "int" and gq.qtype.bits <= 8 and cal.method == "absmax"
+  qt = gq.qtype
+  return ((qt.kind == "int" and qt.bits <= 8 or qt.is_float and not qt.is_mx)
+          and cal.method == "absmax"
           and cal.multiplier == 1.0 and gq.tile_size is None and not gq.axis_names
           and gq.stochastic_rounding in (None, "low_bit_hash"))
 
@@ -317,6 +319,7 @@ def _grad_pair(g, lres, rres, dn, config, k_l, k_r):
     if gq.stochastic_rounding is not None:
       seeds[2 * i], seeds[2 * i + 1] = rounding.hash_seeds(key)
   opts = dict(qmin=qt.qmin, qmax=qt.qmax, n_last=shape[-1],
+              code_dtype="int8" if qt.kind == "int" else qt.compute_dtype.name,
               stochastic=(gq_l.stochastic_rounding is not None,
                           gq_r.stochastic_rounding is not None))
   args = (g.reshape(m, n), s_l, s_r, ql_spec, qr_spec, jnp.stack(seeds))

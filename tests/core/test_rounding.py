@@ -220,7 +220,7 @@ def test_fp8_rounding_noise_extremes_give_the_two_neighbours(qtype):
   small = np.where(np.abs(lo) <= np.abs(hi), lo, hi)
   large = np.where(np.abs(lo) <= np.abs(hi), hi, lo)
   for u, want in ((0.0, small), (np.float32(1) - np.float32(2.0**-24), large)):
-    r = rounding._fp8_round_with_noise(jnp.asarray(y), qt.compute_dtype,
+    r = rounding.fp8_round_with_noise(jnp.asarray(y), qt.compute_dtype,
                                        jnp.full(y.shape, u, jnp.float32))
     np.testing.assert_array_equal(np.asarray(r, np.float64), want)
   assert (hi > lo)[:2 * len(k)].all()

@@ -10,12 +10,16 @@ from qtrain.core import qarray, qtypes, rounding
 from qtrain.kernels import grad_pair as gp
 
 
-def _case(m, n, seed, dtype=jnp.bfloat16):
+def _case(m, n, seed, dtype=jnp.bfloat16, spread=0):
   """A gradient whose rows span 1e-30..1e30 (scales near both float32 ends) and folds that vary
-  by orders of magnitude along their axes."""
-  ks = jax.random.split(jax.random.key(seed), 4)
+  by orders of magnitude along their axes; ``spread``: each element also times 2**-k, k
+  uniform in [0, spread) (values far below their row's largest)."""
+  ks = jax.random.split(jax.random.key(seed), 5)
   rows = jnp.exp(jax.random.uniform(ks[0], (m, 1), minval=-69.0, maxval=69.0))
-  g = (jax.random.normal(ks[1], (m, n)) * rows).astype(dtype)
+  g = jax.random.normal(ks[1], (m, n)) * rows
+  if spread:
+    g = g * jnp.exp2(-jax.random.randint(ks[4], (m, n), 0, spread).astype(jnp.float32))
+  g = g.astype(dtype)
   fold_l = jnp.exp(jax.random.normal(ks[2], (n,)) * 3)
   fold_r = jnp.exp(jax.random.normal(ks[3], (m,)) * 3)
   return g, fold_l, fold_r
@@ -37,26 +41,70 @@ def _xla_codes(g, fold_l, fold_r, n_last, qtype, methods, keys):
           ql.scale.reshape(m), qr.scale.reshape(n))
 
 
+def _check_codes(m, n, n_last, methods, qtype, spread=0):
+  qt = qtypes.get_qtype(qtype)
+  g, fl, fr = _case(m, n, m + n + n_last, spread=spread)
+  keys = (jax.random.key(11), jax.random.key(12))
+  c_l, c_rt, s_l, s_r = jax.jit(_xla_codes, static_argnums=(3, 4, 5))(
+      g, fl, fr, n_last, qt, methods, keys)
+  seeds = jnp.stack([*rounding.hash_seeds(keys[0]), *rounding.hash_seeds(keys[1])])
+  opts = dict(qmin=qt.qmin, qmax=qt.qmax, n_last=n_last,
+              code_dtype="int8" if qt.kind == "int" else qtype,
+              stochastic=tuple(x is not None for x in methods))
+  args = (g, fl, fr, 1.0 / s_l, 1.0 / s_r, seeds)
+  k_l, k_rt = jax.jit(lambda *a: gp.grad_pair(*a, interpret=True, **opts))(*args)
+  r_l, r_rt = jax.jit(lambda *a: gp.grad_pair_reference(*a, **opts))(*args)
+  assert k_l.dtype == c_l.dtype == qt.compute_dtype
+  assert k_l.shape == (m, n) and k_rt.shape == (n, m)
+  bits = lambda a: np.asarray(a).view(np.uint8)
+  for got in ((k_l, k_rt), (r_l, r_rt)):
+    np.testing.assert_array_equal(bits(got[0]), bits(c_l))
+    np.testing.assert_array_equal(bits(got[1]), bits(c_rt))
+  # The codes use the qtype's whole range (the scales are each row's / column's absmax).
+  assert float(jnp.abs(k_l.astype(jnp.float32)).max()) == qt.qmax
+  return k_l
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("m,n,n_last", [(64, 64, 64), (128, 192, 192), (64, 128, 32), (64, 192, 6)])
 @pytest.mark.parametrize("methods", [("low_bit_hash", "low_bit_hash"), (None, None),
                                      ("low_bit_hash", None)])
 def test_kernel_matches_quantize_bit_for_bit(m, n, n_last, methods):
-  g, fl, fr = _case(m, n, m + n + n_last)
-  keys = (jax.random.key(11), jax.random.key(12))
-  c_l, c_rt, s_l, s_r = jax.jit(_xla_codes, static_argnums=(3, 4, 5))(
-      g, fl, fr, n_last, qtypes.get_qtype("int8"), methods, keys)
-  seeds = jnp.stack([*rounding.hash_seeds(keys[0]), *rounding.hash_seeds(keys[1])])
-  opts = dict(qmin=-128, qmax=127, n_last=n_last, stochastic=tuple(x is not None for x in methods))
-  args = (g, fl, fr, 1.0 / s_l, 1.0 / s_r, seeds)
-  k_l, k_rt = jax.jit(lambda *a: gp.grad_pair(*a, interpret=True, **opts))(*args)
-  r_l, r_rt = jax.jit(lambda *a: gp.grad_pair_reference(*a, **opts))(*args)
-  assert k_l.dtype == jnp.int8 and k_l.shape == (m, n) and k_rt.shape == (n, m)
-  for got in ((k_l, k_rt), (r_l, r_rt)):
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(c_l))
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(c_rt))
-  # The codes use the whole int8 range (the scales are each row's / column's absmax).
-  assert int(jnp.abs(k_l.astype(jnp.int32)).max()) == 127
+  _check_codes(m, n, n_last, methods, "int8")
+
+
+@pytest.mark.parametrize("qtype", ["float8_e5m2", "float8_e4m3fn"])
+@pytest.mark.parametrize("methods,m,n,n_last", [
+    (("low_bit_hash", "low_bit_hash"), 64, 192, 6), ((None, "low_bit_hash"), 64, 64, 64)])
+def test_fp8_codes_match_quantize_bit_for_bit(qtype, methods, m, n, n_last):
+  """fp8 gradients: the kernel's rounding (to nearest by the conversion, stochastically to a
+  grid neighbour) is qarray.quantize's, bit for bit, over rows spanning 1e-30..1e30 (values
+  down in fp8's subnormal range, where the stochastic rounding changes its formula)."""
+  codes = _check_codes(m, n, n_last, methods, qtype, spread=48)
+  tiny = float(jnp.finfo(jnp.dtype(qtype)).smallest_normal)
+  assert bool(((jnp.abs(codes.astype(jnp.float32)) < tiny) & (codes != 0)).any())
+
+
+@pytest.mark.slow
+def test_fp8_stochastic_rounding_is_unbiased_between_grid_neighbours():
+  """e5m2 codes of 0.3 * 2**k land on the two grid values around it, with the mean at it."""
+  m, n = 64, 128
+  g = jnp.full((m, n), 0.3 * 4096, jnp.float32).at[:, 0].set(57344.0)
+  fl, fr = jnp.ones((n,)), jnp.ones((m,))
+  one = lambda v: jnp.full(v, 1.0, jnp.float32)
+  c_l, _ = gp.grad_pair(g, fl, fr, one((m,)), one((n,)), jnp.arange(1, 5, dtype=jnp.uint32),
+                        qmin=-57344.0, qmax=57344.0, n_last=n, stochastic=(True, True),
+                        code_dtype="float8_e5m2", interpret=True)
+  vals = np.asarray(c_l[:, 1:].astype(jnp.float32))
+  assert sorted(np.unique(vals).tolist()) == [1024.0, 1280.0]  # e5m2 neighbours of 1228.8
+  assert abs(vals.mean() - 1228.8) < 5.0, vals.mean()  # 8128 draws: sd 1.1
+
+
+def test_code_dtype_names_the_valid_ones():
+  with pytest.raises(ValueError, match="code_dtype='bfloat16'.*float8_e5m2"):
+    gp.grad_pair(jnp.ones((64, 64)), jnp.ones((64,)), jnp.ones((64,)), jnp.ones((64,)),
+                 jnp.ones((64,)), jnp.zeros((4,), jnp.uint32), qmin=-1.0, qmax=1.0, n_last=64,
+                 stochastic=(False, False), code_dtype="bfloat16", interpret=True)
 
 
 @pytest.mark.slow

@@ -1208,7 +1208,9 @@ def test_gradient_pair_kernel_gives_the_xla_gradients_bit_for_bit(xs, ws, dn, me
     ("int8, low_bit_hash", _pair_cfg("auto"), (128, 64), True),
     ("uniform noise (threefry)", _pair_cfg("auto", "uniform"), (128, 64), False),
     ("a gradient tile", _pair_cfg("auto", tile_size=32), (128, 64), False),
-    ("fp8 gradients", _pair_cfg("auto", qtype="float8_e5m2"), (128, 64), False),
+    ("fp8 gradients", _pair_cfg("auto", qtype="float8_e5m2"), (128, 64), True),
+    ("mxfp8 gradients (blocks along each contraction)", _pair_cfg("auto", qtype="mxfp8"),
+     (128, 64), False),
     ("rows that do not tile", _pair_cfg("auto"), (100, 64), False),
     ("the XLA reference", _pair_cfg("xla"), (128, 64), False),
 ])

@@ -250,12 +250,15 @@ def test_int3_to_int7_weights_run_on_their_container_kernels(backend, wq, act):
 
 @pytest.mark.parametrize("shape,n_last", [((1024, 4096), 4096), ((512, 768), 6)])
 @pytest.mark.parametrize("methods", [("low_bit_hash", "low_bit_hash"), (None, None)])
-def test_gradient_pair_kernel_matches_xla_quantization_on_the_gpu(shape, n_last, methods):
+@pytest.mark.parametrize("qtype", ["int8", "float8_e5m2", "float8_e4m3fn"])
+def test_gradient_pair_kernel_matches_xla_quantization_on_the_gpu(shape, n_last, methods, qtype):
   """The Triton kernel's codes are XLA's quantization of each folded gradient, bit for bit
-  (rows spanning 1e-30..1e30; the GPU's float multiply and reciprocal, not the interpreter's)."""
+  (rows spanning 1e-30..1e30; the GPU's float multiply, reciprocal and fp8 conversion, not the
+  interpreter's)."""
   from qtrain.core import rounding
   from qtrain.kernels import grad_pair as gp
   m, n = shape
+  qt = qc.get_qtype(qtype)
   ks = jax.random.split(jax.random.key(m + n), 4)
   rows = jnp.exp(jax.random.uniform(ks[0], (m, 1), minval=-69.0, maxval=69.0))
   g = (jax.random.normal(ks[1], (m, n)) * rows).astype(jnp.bfloat16)
@@ -263,7 +266,7 @@ def test_gradient_pair_kernel_matches_xla_quantization_on_the_gpu(shape, n_last,
   fr = jnp.exp(jax.random.normal(ks[3], (m,)) * 3)
   keys = (jax.random.key(1), jax.random.key(2))
   lead = n // n_last
-  spec = lambda cw, method: qc.QuantizeSpec(qtype="int8", channelwise_axes=cw,
+  spec = lambda cw, method: qc.QuantizeSpec(qtype=qtype, channelwise_axes=cw,
                                             stochastic_rounding=method)
 
   @jax.jit
@@ -277,11 +280,16 @@ def test_gradient_pair_kernel_matches_xla_quantization_on_the_gpu(shape, n_last,
 
   c_l, c_rt, s_l, s_r = xla(g, fl, fr)
   seeds = jnp.stack([*rounding.hash_seeds(keys[0]), *rounding.hash_seeds(keys[1])])
+  code_dtype = "int8" if qt.kind == "int" else qtype
   k_l, k_rt = jax.jit(lambda *a: gp.grad_pair(
-      *a, qmin=-128, qmax=127, n_last=n_last, stochastic=tuple(x is not None for x in methods)))(
-          g, fl, fr, 1.0 / s_l, 1.0 / s_r, seeds)
-  np.testing.assert_array_equal(np.asarray(k_l), np.asarray(c_l))
-  np.testing.assert_array_equal(np.asarray(k_rt), np.asarray(c_rt))
+      *a, qmin=qt.qmin, qmax=qt.qmax, n_last=n_last, code_dtype=code_dtype,
+      stochastic=tuple(x is not None for x in methods)))(g, fl, fr, 1.0 / s_l, 1.0 / s_r, seeds)
+  assert k_l.dtype == c_l.dtype and k_rt.dtype == c_rt.dtype
+  bits = lambda a: np.asarray(a).view(np.uint8)  # fp8 NaN codes compare by their bits
+  np.testing.assert_array_equal(bits(k_l), bits(c_l))
+  np.testing.assert_array_equal(bits(k_rt), bits(c_rt))
+  # Every row's largest value reaches the qtype's largest code.
+  assert float(jnp.abs(k_l.astype(jnp.float32)).max()) == qt.qmax
 
 
 @pytest.mark.parametrize("m", [256, 1024])
@@ -306,6 +314,35 @@ def test_gradient_pair_training_gradients_match_the_xla_path(m):
   (gx, gw), (rx, rw) = grads("auto"), grads("xla")
   np.testing.assert_array_equal(np.asarray(gx, np.float32), np.asarray(rx, np.float32))
   np.testing.assert_array_equal(np.asarray(gw, np.float32), np.asarray(rw, np.float32))
+
+
+@pytest.mark.parametrize("method", ["low_bit_hash", None])
+def test_fp8_gradient_pair_training_gradients_match_the_xla_path(method):
+  """e4m3 operands with e5m2 gradients under "auto" (the pair kernel's codes) against
+  implementation="xla" (each product quantizes its own gradient): the same codes and scales
+  (bit for bit: the kernel test above), so only the fp8 GEMMs' accumulation differs
+  (:data:`FP8_FWD_BUDGET`); a code set in the wrong layout or a wrong scale is O(1)."""
+  gq = qops.GradQuant(qtype="float8_e5m2", stochastic_rounding=method)
+  cfg = lambda impl: qops.DotGeneralQtConfig(
+      lhs=qops.OperandQuant(qtype="float8_e4m3fn"), rhs=qops.OperandQuant(qtype="float8_e4m3fn"),
+      dlhs_grad=gq, drhs_grad=gq, implementation=impl)
+  dn = (((1,), (0,)), ((), ()))
+  x = jax.random.normal(jax.random.key(0), (1024, 512), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(jax.random.key(1), (512, 1024)) *
+       jnp.exp(jax.random.normal(jax.random.key(2), (1024,)))).astype(jnp.bfloat16)
+  cot = jax.random.normal(jax.random.key(3), (1024, 1024))
+
+  def grads(impl):
+    f = lambda x, w: (qops.dot_general_qt(x, w, dn, cfg(impl), key=jax.random.key(4))
+                      .astype(jnp.float32) * cot).sum()
+    g = jax.grad(f, (0, 1))
+    hlo = jax.jit(g).lower(x, w).as_text()
+    return jax.jit(g)(x, w), "qtrain_grad_pair" in hlo
+  ((gx, gw), pair), ((rx, rw), ref_pair) = grads("auto"), grads("xla")
+  assert pair and not ref_pair
+  assert _rel(gx, rx) < FP8_FWD_BUDGET and _rel(gw, rw) < FP8_FWD_BUDGET, (_rel(gx, rx),
+                                                                            _rel(gw, rw))
+  assert float(jnp.abs(gw.astype(jnp.float32)).max()) > 0
 
 
 # conv_general_qt under "auto": the forward of two integer-coded operands as XLA's
