@@ -280,7 +280,9 @@ def fp8_round_with_noise(y: jax.Array, dtype, u: jax.Array) -> jax.Array:
   sub_step = float(2.0 ** (fi.minexp - fi.nmant))
   sub = jnp.floor(a * (1.0 / sub_step) + u) * sub_step
   r = jnp.where(a < float(fi.smallest_normal), sub, normal)
-  return jnp.where(y < 0, -r, r)
+  # A product with -1, not a negation: Pallas Triton lowers -r as 0 - r, which makes a
+  # negative value's zero +0 where XLA's negation gives -0 (one set of code bits everywhere).
+  return r * jnp.where(y < 0, -1.0, 1.0)
 
 
 def stochastic_round(y: jax.Array, qt: qtypes.QType, key: jax.Array, *, method: str = "uniform") -> jax.Array:
