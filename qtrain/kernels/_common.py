@@ -44,6 +44,20 @@ _MAGIC = 0x4B000000  # float32 bits of 2**23: OR-ing a small int into the mantis
 _SIGN = -(2**31)  # int32 with only the sign bit set.
 
 
+def out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
+  """A kernel output's ``jax.ShapeDtypeStruct`` typed as varying over every manual mesh axis
+  (``jax.shard_map``) that any of ``operands`` varies over: what XLA's own ops infer for their
+  results. A Pallas call inside a ``shard_map`` with ``check_vma=True`` (the default) refuses an
+  output without that type; outside ``shard_map`` every operand varies over nothing."""
+  mats = [getattr(jax.typeof(x), "manual_axis_type", None) for x in operands]
+  mats = [m for m in mats if m is not None]
+  if not mats:
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+  varying = frozenset().union(*(m.varying for m in mats))
+  mat = type(mats[0])(varying=varying, unreduced=frozenset(), reduced=frozenset())
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, manual_axis_type=mat)
+
+
 def cdiv(a: int, b: int) -> int:
   """Ceiling division of non-negative ints."""
   return -(-a // b)

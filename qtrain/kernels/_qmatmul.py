@@ -443,11 +443,11 @@ def qmatmul(a: jax.Array, w: jax.Array, *, spec: KernelSpec, k: int,
     in_specs.append(pl.BlockSpec((bm, 1), lambda i, j, s: (i, 0)))
     args.append(rows(rowsum.astype(spec.acc_dtype)))
   if final:
-    out_shape = jax.ShapeDtypeStruct((m_pad, n_pad), out_dtype)
+    out_shape = _common.out_struct((m_pad, n_pad), out_dtype, *args)
     out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
   else:
     gn = n_pad // bn
-    out_shape = jax.ShapeDtypeStruct((m_pad, config.split_k * n_pad), spec.acc_dtype)
+    out_shape = _common.out_struct((m_pad, config.split_k * n_pad), spec.acc_dtype, *args)
     out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, s * gn + j))
   flags = dict(split_k=config.split_k, has_w_scale=w_scale is not None and final,
                has_a_scale=a_scale is not None and final, final=final)

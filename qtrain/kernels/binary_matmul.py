@@ -104,7 +104,7 @@ def _popcount_call(x, w: PreparedWeight, a_scale, out_dtype, config: BlockConfig
     warnings.simplefilter("ignore", DeprecationWarning)
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m_pad, n_pad), out_dtype),
+        out_shape=_common.out_struct((m_pad, n_pad), out_dtype, x, w.data, ws, a_s),
         grid=(m_pad // bm, n_pad // bn),
         in_specs=[pl.BlockSpec((bm, kw), lambda i, j: (i, 0)),
                   pl.BlockSpec((bn, kw), lambda i, j: (j, 0)),

@@ -178,8 +178,8 @@ def grad_pair_bounds(g, fold_l, fold_r, *, interpret: bool = False, block: int =
     warnings.simplefilter("ignore", DeprecationWarning)
     rows, cols = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((n // block, m), jnp.int32),
-                   jax.ShapeDtypeStruct((m // block, n), jnp.int32)),
+        out_shape=(_common.out_struct((n // block, m), jnp.int32, g, fold_l, fold_r),
+                   _common.out_struct((m // block, n), jnp.int32, g, fold_l, fold_r)),
         grid=(m // block, n // block),
         in_specs=[pl.BlockSpec((block, block), lambda i, j: (i, j)),
                   pl.BlockSpec((block,), lambda i, j: (j,)),
@@ -250,11 +250,14 @@ def grad_pair(g, fold_l, fold_r, inv_l, inv_r, seeds, *, qmin: float, qmax: floa
     or_ref[...] = c_r.T
 
   vec = lambda axis: pl.BlockSpec((block,), (lambda i, j: (i,)) if axis == 0 else (lambda i, j: (j,)))
+  operands = (jnp.asarray(seeds, jnp.uint32), g, fold_l.astype(jnp.float32),
+              fold_r.astype(jnp.float32), inv_l.astype(jnp.float32), inv_r.astype(jnp.float32))
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((m, n), code_dtype), jax.ShapeDtypeStruct((n, m), code_dtype)),
+        out_shape=(_common.out_struct((m, n), code_dtype, *operands),
+                   _common.out_struct((n, m), code_dtype, *operands)),
         grid=(m // block, n // block),
         in_specs=[pl.BlockSpec((4,), lambda i, j: (0,)),
                   pl.BlockSpec((block, block), lambda i, j: (i, j)),
@@ -264,5 +267,4 @@ def grad_pair(g, fold_l, fold_r, inv_l, inv_r, seeds, *, qmin: float, qmax: floa
         compiler_params=_common.triton_params(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="qtrain_grad_pair",
-    )(jnp.asarray(seeds, jnp.uint32), g, fold_l.astype(jnp.float32), fold_r.astype(jnp.float32),
-      inv_l.astype(jnp.float32), inv_r.astype(jnp.float32))
+    )(*operands)

@@ -297,7 +297,7 @@ def _kernel(a, b, sa, sb, *, cfg: GemmConfig, out_dtype) -> jax.Array:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   call = plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+      body, out_type=_common.out_struct((m, n), out_dtype, a, b, sa, sb),
       grid=(min(_common.num_sms(), m_tiles * n_tiles),), grid_names=("sm",),
       num_threads=_WGS + 1, thread_name="wg",
       scratch_types=dict(o_smem=plgpu.SMEM((_WGS, 2, epi, epi), out_dtype, transforms=o_tr)))

@@ -759,10 +759,10 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   if fused:
-    out_type = jax.ShapeDtypeStruct((x.shape[0], n_pad), out_dtype)
+    out_type = _common.out_struct((x.shape[0], n_pad), out_dtype, w, x, *scales)
     o_smem = plgpu.SMEM((_WGS, mp, rows), out_dtype)
   else:
-    out_type = jax.ShapeDtypeStruct((split, n_pad, mp), acc_dtype)
+    out_type = _common.out_struct((split, n_pad, mp), acc_dtype, w, x, *scales)
     o_smem = plgpu.SMEM((_WGS, rows, mp), acc_dtype, transforms=o_tr)
   call = plgpu.kernel(
       body, out_type=out_type,

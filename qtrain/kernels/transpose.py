@@ -68,7 +68,7 @@ def transpose_batched(x: jax.Array, *, interpret: bool = False, block: int = BLO
     warnings.simplefilter("ignore", DeprecationWarning)
     return pl.pallas_call(
         _kernel,
-        out_shape=jax.ShapeDtypeStruct((b, q, p), x.dtype),
+        out_shape=_common.out_struct((b, q, p), x.dtype, x),
         grid=(b, p // block, q // block),
         in_specs=[pl.BlockSpec((None, block, block), lambda k, i, j: (k, i, j))],
         out_specs=pl.BlockSpec((None, block, block), lambda k, i, j: (k, j, i)),

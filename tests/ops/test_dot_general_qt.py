@@ -1222,3 +1222,35 @@ def test_gradient_pair_kernel_only_where_it_computes_the_same_numbers(what, cfg,
   w = jnp.ones((64, 128), jnp.bfloat16)
   f = lambda x, w: dot_general_qt(x, w, dn, cfg, key=jax.random.key(0)).astype(jnp.float32).sum()
   assert _uses_pair_kernel(jax.make_jaxpr(jax.grad(f, (0, 1)))(x, w)) == expected, what
+
+
+# ----------------------------------------------------------------------------
+# Kernels inside a user's jax.shard_map (check_vma=True, the default).
+
+
+def test_kernels_trace_inside_shard_map_typed_like_their_operands():
+  """Every Pallas kernel of a quantized dot's step (the Triton product kernels, the gradient
+  pair kernels) types its outputs as varying over the mesh axes its operands vary over, as
+  XLA's ops do; a Pallas output left untyped is refused inside ``shard_map``. Traced only: the
+  Pallas interpreter itself does not run under ``check_vma`` (it mixes the kernel's constants
+  with the operands' types), so the values are compared on a GPU (test_ops_gpu.py)."""
+  from jax.sharding import Mesh, PartitionSpec as P
+  gq = C.GradQuant(qtype="int8", stochastic_rounding="low_bit_hash")
+  cfg = C.DotGeneralQtConfig(lhs=C.OperandQuant(qtype="int8"), rhs=C.OperandQuant(qtype="int8"),
+                             dlhs_grad=gq, drhs_grad=gq, implementation="interpret")
+  x = jax.random.normal(jax.random.key(0), (128, 64), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (64, 128), jnp.bfloat16)
+  loss = lambda x, w: (dot_general_qt(x, w, (((1,), (0,)), ((), ())), cfg, key=jax.random.key(4))
+                       .astype(jnp.float32) ** 2).sum()
+
+  def step(x, w):
+    gx, gw = jax.grad(loss, (0, 1))(x, w)
+    return gx, jax.lax.psum(gw, "data")
+
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  f = jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P()), out_specs=(P("data"), P()))
+  jaxpr = jax.make_jaxpr(f)(x, w)
+  names = [str(e.params.get("name", "")) + str(e.params.get("name_and_src_info", ""))
+           for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+  assert sum("qtrain_grad_pair" in n for n in names) == 2, names
+  assert len(names) >= 5, names  # the forward and both backward products too

@@ -416,3 +416,40 @@ def test_int8_products_of_any_contraction_length_match_the_cpu(k):
   w = jnp.asarray(rng.standard_normal((k, 32)), jnp.float32)
   g, c = _both(lambda x, w: qops.dot_general_qt(x, w, (((1,), (0,)), ((), ())), cfg), x, w)
   np.testing.assert_array_equal(np.asarray(g), np.asarray(c))
+
+
+def test_training_kernels_run_inside_shard_map():
+  """Inside a user's ``jax.shard_map`` (``check_vma=True``) the kernels of a quantized step run
+  and give the unsharded step's numbers on a one-device mesh: an int8 ``low_bit_hash`` dot with
+  M = 1024 (the Mosaic GEMM, the Pallas transposes, the gradient pair kernels) and an int8
+  convolution (cuDNN's int8 convolution, its float transposes). Their Pallas outputs were once
+  left untyped, which ``shard_map`` refuses."""
+  from jax.sharding import Mesh, PartitionSpec as P
+  gq = qops.GradQuant(qtype="int8", stochastic_rounding="low_bit_hash")
+  dot_cfg = qops.DotGeneralQtConfig(lhs=qops.OperandQuant(qtype="int8"),
+                                    rhs=qops.OperandQuant(qtype="int8"), dlhs_grad=gq, drhs_grad=gq)
+  conv_cfg = qops.ConvGeneralQtConfig(lhs=qops.OperandQuant(qtype="int8"),
+                                      rhs=qops.OperandQuant(qtype="int8"))
+  x = jax.random.normal(jax.random.key(0), (1024, 512), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(jax.random.key(1), (512, 1024)) * 0.05).astype(jnp.bfloat16)
+  img = jax.random.normal(jax.random.key(2), (8, 16, 16, 64), jnp.float32).astype(jnp.bfloat16)
+  k = (jax.random.normal(jax.random.key(3), (3, 3, 64, 64)) * 0.05).astype(jnp.bfloat16)
+
+  def loss(x, w, img, k):
+    y = qops.dot_general_qt(x, w, (((1,), (0,)), ((), ())), dot_cfg, key=jax.random.key(4))
+    z = qops.conv_general_qt(img, k, (1, 1), "SAME", config=conv_cfg,
+                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return (y.astype(jnp.float32) ** 2).sum() + (z.astype(jnp.float32) ** 2).sum()
+
+  def step(x, w, img, k):
+    gx, gw, gimg, gk = jax.grad(loss, (0, 1, 2, 3))(x, w, img, k)
+    return gx, jax.lax.psum(gw, "data"), gimg, jax.lax.psum(gk, "data")
+
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P(), P("data"), P()),
+                            out_specs=(P("data"), P(), P("data"), P())))
+  hlo = f.lower(x, w, img, k).compile().as_text()
+  assert "qtrain_grad_pair" in hlo
+  want = jax.jit(jax.grad(loss, (0, 1, 2, 3)))(x, w, img, k)
+  for got, want in zip(f(x, w, img, k), want):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
