@@ -73,6 +73,7 @@ def test_kernel_matches_quantize_bit_for_bit(m, n, n_last, methods):
   _check_codes(m, n, n_last, methods, "int8")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["float8_e5m2", "float8_e4m3fn"])
 @pytest.mark.parametrize("methods,m,n,n_last", [
     (("low_bit_hash", "low_bit_hash"), 64, 192, 6), ((None, "low_bit_hash"), 64, 64, 64)])
