@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qtrain.core import _lax
 from qtrain.core import packing
 from qtrain.core import qtypes
 
@@ -49,12 +50,12 @@ def out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
   (``jax.shard_map``) that any of ``operands`` varies over: what XLA's own ops infer for their
   results. A Pallas call inside a ``shard_map`` with ``check_vma=True`` (the default) refuses an
   output without that type; outside ``shard_map`` every operand varies over nothing."""
-  mats = [getattr(jax.typeof(x), "manual_axis_type", None) for x in operands]
-  mats = [m for m in mats if m is not None]
-  if not mats:
+  like = next((m for x in operands
+               if (m := getattr(jax.typeof(x), "manual_axis_type", None)) is not None), None)
+  if like is None:
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
-  varying = frozenset().union(*(m.varying for m in mats))
-  mat = type(mats[0])(varying=varying, unreduced=frozenset(), reduced=frozenset())
+  varying = frozenset().union(*(_lax.varying_axes(x) for x in operands))
+  mat = type(like)(varying=varying, unreduced=frozenset(), reduced=frozenset())
   return jax.ShapeDtypeStruct(tuple(shape), dtype, manual_axis_type=mat)
 
 

@@ -243,7 +243,7 @@ def _pair_grad_ok(gq) -> bool:
   axes, rounding to nearest or ``low_bit_hash`` (the noise it can compute in place)."""
   cal = gq.calibration
   qt = gq.qtype
-  return ((qt.kind == "int" and qt.bits <= 8 or qt.is_float and not qt.is_mx)
+  return (((qt.kind == "int" and qt.bits <= 8) or (qt.is_float and not qt.is_mx))
           and cal.method == "absmax"
           and cal.multiplier == 1.0 and gq.tile_size is None and not gq.axis_names
           and gq.stochastic_rounding in (None, "low_bit_hash"))
@@ -319,7 +319,7 @@ def _grad_pair(g, lres, rres, dn, config, k_l, k_r):
     if gq.stochastic_rounding is not None:
       seeds[2 * i], seeds[2 * i + 1] = rounding.hash_seeds(key)
   opts = dict(qmin=qt.qmin, qmax=qt.qmax, n_last=shape[-1],
-              code_dtype="int8" if qt.kind == "int" else qt.compute_dtype.name,
+              code_dtype=qt.compute_dtype.name,  # int8 for every integer qtype
               stochastic=(gq_l.stochastic_rounding is not None,
                           gq_r.stochastic_rounding is not None))
   args = (g.reshape(m, n), s_l, s_r, ql_spec, qr_spec, jnp.stack(seeds))

@@ -49,7 +49,7 @@ def _check_codes(m, n, n_last, methods, qtype, spread=0):
       g, fl, fr, n_last, qt, methods, keys)
   seeds = jnp.stack([*rounding.hash_seeds(keys[0]), *rounding.hash_seeds(keys[1])])
   opts = dict(qmin=qt.qmin, qmax=qt.qmax, n_last=n_last,
-              code_dtype="int8" if qt.kind == "int" else qtype,
+              code_dtype=qt.compute_dtype.name,
               stochastic=tuple(x is not None for x in methods))
   args = (g, fl, fr, 1.0 / s_l, 1.0 / s_r, seeds)
   k_l, k_rt = jax.jit(lambda *a: gp.grad_pair(*a, interpret=True, **opts))(*args)

@@ -280,9 +280,8 @@ def test_gradient_pair_kernel_matches_xla_quantization_on_the_gpu(shape, n_last,
 
   c_l, c_rt, s_l, s_r = xla(g, fl, fr)
   seeds = jnp.stack([*rounding.hash_seeds(keys[0]), *rounding.hash_seeds(keys[1])])
-  code_dtype = "int8" if qt.kind == "int" else qtype
   k_l, k_rt = jax.jit(lambda *a: gp.grad_pair(
-      *a, qmin=qt.qmin, qmax=qt.qmax, n_last=n_last, code_dtype=code_dtype,
+      *a, qmin=qt.qmin, qmax=qt.qmax, n_last=n_last, code_dtype=qt.compute_dtype.name,
       stochastic=tuple(x is not None for x in methods)))(g, fl, fr, 1.0 / s_l, 1.0 / s_r, seeds)
   assert k_l.dtype == c_l.dtype and k_rt.dtype == c_rt.dtype
   bits = lambda a: np.asarray(a).view(np.uint8)  # fp8 NaN codes compare by their bits
