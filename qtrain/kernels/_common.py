@@ -59,6 +59,17 @@ def out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(tuple(shape), dtype, manual_axis_type=mat)
 
 
+def varying_like(out: jax.Array, *operands) -> jax.Array:
+  """``out`` cast (``jax.lax.pcast``, a type change only) to vary over every manual mesh axis
+  that any of ``operands`` varies over and ``out`` does not. Mosaic GPU's ``plgpu.kernel``
+  drops the ``manual_axis_type`` of its ``out_type`` (jax 0.11), so a kernel output inside a
+  ``jax.shard_map`` came out typed as replicated, and ``lax.platform_dependent`` refused the
+  kernel branch beside XLA's (typed varying)."""
+  want = frozenset().union(*(_lax.varying_axes(x) for x in operands))
+  missing = tuple(sorted(want - _lax.varying_axes(out)))
+  return lax.pcast(out, missing, to="varying") if missing else out
+
+
 def cdiv(a: int, b: int) -> int:
   """Ceiling division of non-negative ints."""
   return -(-a // b)

@@ -301,4 +301,4 @@ def _kernel(a, b, sa, sb, *, cfg: GemmConfig, out_dtype) -> jax.Array:
       grid=(min(_common.num_sms(), m_tiles * n_tiles),), grid_names=("sm",),
       num_threads=_WGS + 1, thread_name="wg",
       scratch_types=dict(o_smem=plgpu.SMEM((_WGS, 2, epi, epi), out_dtype, transforms=o_tr)))
-  return call(a, b, sa, sb)
+  return _common.varying_like(call(a, b, sa, sb), a, b, sa, sb)

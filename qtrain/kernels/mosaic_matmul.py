@@ -769,4 +769,4 @@ def _kernel(w, x, *scales, qtype: str, k_pad: int, cfg: MosaicConfig, ablate: st
       grid=(min(_common.num_sms(), n_tiles * split),), grid_names=("sm",),
       num_threads=_WGS + 1, thread_name="wg",
       scratch_types=dict(o_smem=o_smem))
-  return call(w, x, *scales)
+  return _common.varying_like(call(w, x, *scales), w, x, *scales)

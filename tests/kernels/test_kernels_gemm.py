@@ -171,6 +171,31 @@ def test_dispatch_off_hopper():
                                    implementation="mosaic")
 
 
+def test_varying_like_types_a_kernel_output_as_its_operands():
+  """The Mosaic kernels' outputs (``plgpu.kernel`` drops their type inside ``jax.shard_map``)
+  are cast to vary over their operands' mesh axes: without the cast a replicated-typed output
+  beside XLA's varying one fails ``lax.platform_dependent``, as "auto" pairs them."""
+  from jax.sharding import Mesh, PartitionSpec as P
+  from qtrain.core import _lax
+  a = jax.random.normal(jax.random.key(0), (8, 16), jnp.float32)
+  b = jax.random.normal(jax.random.key(1), (16, 4), jnp.float32)
+  seen = {}
+
+  def f(a, b):
+    replicated = jnp.zeros((8, 4), jnp.float32) + b.sum()  # typed like an untyped kernel output
+    typed = _common.varying_like(replicated, a, b)
+    seen.update(before=_lax.varying_axes(replicated), after=_lax.varying_axes(typed),
+                alone=_lax.varying_axes(_common.varying_like(replicated, b)))
+    with pytest.raises(TypeError, match="branches must have equal output types"):
+      jax.lax.platform_dependent(cuda=lambda: replicated, default=lambda: a @ b)
+    return jax.lax.platform_dependent(cuda=lambda: typed, default=lambda: a @ b)
+
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data")))(a, b)
+  assert seen == dict(before=frozenset(), after=frozenset({"data"}), alone=frozenset())
+  np.testing.assert_allclose(np.asarray(out), np.asarray(a) @ np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
 def _w8a8_qt_case(m, k, n, *, seed, w_std, sr, implementation):
   """bf16 x (m, k), w (k, n) (standard deviation ``w_std``) and cotangent (m, n), and a
   w8a8 QT config with int8 gradients (``sr`` stochastic rounding) on ``implementation``."""

@@ -420,9 +420,10 @@ def test_int8_products_of_any_contraction_length_match_the_cpu(k):
 def test_training_kernels_run_inside_shard_map():
   """Inside a user's ``jax.shard_map`` (``check_vma=True``) the kernels of a quantized step run
   and give the unsharded step's numbers on a one-device mesh: an int8 ``low_bit_hash`` dot with
-  M = 1024 (the Mosaic GEMM, the Pallas transposes, the gradient pair kernels) and an int8
-  convolution (cuDNN's int8 convolution, its float transposes). Their Pallas outputs were once
-  left untyped, which ``shard_map`` refuses."""
+  M = 1024 (the Mosaic GEMM, the Pallas transposes, the gradient pair kernels), an int8
+  convolution (cuDNN's int8 convolution, its float transposes) and a forward-only M = 64
+  product on the small-M Mosaic kernel. Their outputs were once typed as replicated
+  (``pallas_call`` refused them; ``plgpu.kernel`` drops the type it is given)."""
   from jax.sharding import Mesh, PartitionSpec as P
   gq = qops.GradQuant(qtype="int8", stochastic_rounding="low_bit_hash")
   dot_cfg = qops.DotGeneralQtConfig(lhs=qops.OperandQuant(qtype="int8"),
@@ -440,15 +441,21 @@ def test_training_kernels_run_inside_shard_map():
                              dimension_numbers=("NHWC", "HWIO", "NHWC"))
     return (y.astype(jnp.float32) ** 2).sum() + (z.astype(jnp.float32) ** 2).sum()
 
+  small_cfg = qops.DotGeneralQtConfig(rhs=qops.OperandQuant(qtype="int8"),
+                                      implementation="mosaic")
+
+  def small(x, w):
+    return qops.dot_general_qt(x[:64], w, (((1,), (0,)), ((), ())), small_cfg)
+
   def step(x, w, img, k):
     gx, gw, gimg, gk = jax.grad(loss, (0, 1, 2, 3))(x, w, img, k)
-    return gx, jax.lax.psum(gw, "data"), gimg, jax.lax.psum(gk, "data")
+    return gx, jax.lax.psum(gw, "data"), gimg, jax.lax.psum(gk, "data"), small(x, w)
 
   mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
   f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P(), P("data"), P()),
-                            out_specs=(P("data"), P(), P("data"), P())))
+                            out_specs=(P("data"), P(), P("data"), P(), P("data"))))
   hlo = f.lower(x, w, img, k).compile().as_text()
   assert "qtrain_grad_pair" in hlo
-  want = jax.jit(jax.grad(loss, (0, 1, 2, 3)))(x, w, img, k)
-  for got, want in zip(f(x, w, img, k), want):
+  want = jax.jit(lambda *a: jax.grad(loss, (0, 1, 2, 3))(*a) + (small(a[0], a[1]),))(x, w, img, k)
+  for got, want in zip(f(x, w, img, k), want, strict=True):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
