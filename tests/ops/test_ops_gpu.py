@@ -449,7 +449,8 @@ def test_training_kernels_run_inside_shard_map():
 
   def step(x, w, img, k):
     gx, gw, gimg, gk = jax.grad(loss, (0, 1, 2, 3))(x, w, img, k)
-    return gx, jax.lax.psum(gw, "data"), gimg, jax.lax.psum(gk, "data"), small(x, w)
+    # The replicated weights' gradients come back summed over the shards (check_vma).
+    return gx, gw, gimg, gk, small(x, w)
 
   mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
   f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P(), P("data"), P()),
