@@ -1,12 +1,16 @@
-"""Mosaic GPU (Hopper wgmma + TMA) int8 x int8 GEMM for large M, scales fused.
+"""Mosaic GPU (Hopper wgmma + TMA) 8-bit GEMM for large M, scales fused.
 
-``out = ((a @ b.T as int32) as f32 * a_scale[:, None]) * b_scale[None, :]``
-cast to ``out_dtype``, with ``a`` (M, K) and ``b`` (N, K) int8, both
-K-contiguous (what 8-bit wgmma reads). This is the product every int8 GEMM of
-a quantized training step computes (forward and both backward products).
-XLA runs it as cuBLAS's int8 GEMM, whose int32 output a separate pass
-converts and scales; here the epilogue does that in registers and the kernel
-writes the scaled bf16/f16/f32 output directly:
+``out = ((a @ b.T) as f32 * a_scale[:, None]) * b_scale[None, :]`` cast to
+``out_dtype``, with ``a`` (M, K) and ``b`` (N, K) of one 8-bit dtype
+(:data:`OPERAND_DTYPES`: int8, accumulated in int32, exact; or one fp8 dtype,
+accumulated in float32, as cuBLAS does), both K-contiguous (what 8-bit wgmma
+reads). This is the product every int8 GEMM of a quantized training step
+computes (forward and both backward products), and the fp8 forward's
+(e4m3 x e4m3; wgmma takes one element type for both operands, so e5m2 x e4m3
+gradient products are not its). XLA runs it as cuBLAS's GEMM, whose int32 /
+float32 output a separate pass converts and scales; here the epilogue does
+that in registers and the kernel writes the scaled bf16/f16/f32 output
+directly:
 
 * a persistent grid (one CTA per SM) walks the (M, N) output tiles in a
   snake order (``config.grid_minor`` / ``config.snake``: neighbouring CTAs
@@ -14,7 +18,8 @@ writes the scaled bf16/f16/f32 output directly:
 * a warp-specialized pipeline (one producer warpgroup issuing TMA copies,
   two consumer warpgroups, ``config.steps`` stages in flight) streams the
   a and b tiles of ``config.tile_k`` columns; each consumer warpgroup
-  accumulates its (tile_m, tile_n) part in int32 with wgmma (exact);
+  accumulates its (tile_m, tile_n) part with wgmma (int32 for int8: exact;
+  float32 for fp8);
 * the epilogue converts, scales in the order of
   :func:`qtrain.core.qdot.scale_product` (the XLA path's numbers, bit for
   bit), casts, and stores through shared memory with TMA.
@@ -46,12 +51,14 @@ from qtrain.kernels import _common
 from qtrain.kernels.mosaic_matmul import SMEM_BYTES, UnsupportedCall
 
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+OPERAND_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 TILE_MS = (64, 128)  # rows per consumer warpgroup (one or two wgmma M=64 instructions)
 TILE_NS = (64, 128, 256)  # columns per consumer warpgroup (wgmma N)
 TILE_KS = (64, 128, 256)
 AXES = ("m", "n")
 _WGS = 2  # consumer warpgroups per CTA
-# int32 accumulation is exact while K * 128 * 128 < 2**31
+# int32 accumulation is exact while K * 128 * 128 < 2**31 (int8 operands; fp8 ones accumulate
+# in float32 and take any K)
 MAX_K = (2**31 - 1) // (128 * 128)
 _EPI = 64  # epilogue block edge
 _ACC_REGS = 128 * 128  # int32 accumulator elements per warpgroup that leave room for the epilogue
@@ -134,16 +141,17 @@ def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16,
 def checked_config(a: jax.Array, b: jax.Array, config: GemmConfig | None = None,
                    out_dtype=jnp.bfloat16) -> GemmConfig:
   """The config :func:`mosaic_gemm` would run with; ValueError for operands that
-  are not (M, K) x (N, K) int8, :class:`UnsupportedCall` for shapes the kernel
-  cannot tile."""
+  are not (M, K) x (N, K) of one dtype of :data:`OPERAND_DTYPES`,
+  :class:`UnsupportedCall` for shapes the kernel cannot tile."""
   if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
     raise ValueError(f"a and b must be (M, K) and (N, K); got {a.shape} and {b.shape}")
-  if a.dtype != jnp.int8 or b.dtype != jnp.int8:
-    raise ValueError(f"a and b must be int8; got {a.dtype} and {b.dtype}")
+  if a.dtype != b.dtype or jnp.dtype(a.dtype) not in OPERAND_DTYPES:
+    raise ValueError(f"a and b must have one dtype of {[str(d) for d in OPERAND_DTYPES]} "
+                     f"(wgmma reads one element type); got {a.dtype} and {b.dtype}")
   if jnp.dtype(out_dtype) not in OUT_DTYPES:
     raise ValueError(f"out_dtype={jnp.dtype(out_dtype)}; valid: {[str(d) for d in OUT_DTYPES]}")
   (m, k), n = a.shape, b.shape[0]
-  if k > MAX_K:
+  if a.dtype == jnp.int8 and k > MAX_K:
     raise UnsupportedCall(f"K={k} could overflow the int32 accumulator; the kernel takes K <= {MAX_K}")
   cfg = config or default_config(m, n, k, out_dtype)
   if m % cfg.cta_m or n % cfg.cta_n or k % cfg.tile_k:
@@ -168,6 +176,11 @@ def check_call(a: jax.Array, b: jax.Array, config: GemmConfig | None = None,
   return cfg
 
 
+def acc_dtype(dtype) -> jnp.dtype:
+  """The wgmma accumulator for operands of ``dtype``: int32 for int8, float32 for fp8."""
+  return jnp.dtype(jnp.int32 if jnp.dtype(dtype) == jnp.int8 else jnp.float32)
+
+
 def _as_vector(s, size: int, what: str) -> jax.Array:
   if s is None:
     return jnp.ones((size,), jnp.float32)
@@ -182,24 +195,25 @@ def mosaic_gemm(a: jax.Array, b: jax.Array, *, a_scale=None, b_scale=None,
   """``((a @ b.T) * a_scale[:, None]) * b_scale[None, :]`` on a Hopper GPU.
 
   Args:
-    a: (M, K) int8.
-    b: (N, K) int8.
+    a: (M, K) int8, float8_e4m3fn or float8_e5m2.
+    b: (N, K) of a's dtype.
     a_scale: None, a scalar or (M,) per-row scales.
     b_scale: None, a scalar or (N,) per-column scales.
     out_dtype: bfloat16, float16 or float32.
     config: a :class:`GemmConfig`; default :func:`default_config`.
 
   Returns:
-    (M, N) ``out_dtype``: the exact int32 product, converted and scaled in
-    float32 as :func:`mosaic_gemm_reference`.
+    (M, N) ``out_dtype``: the product (int8: exact in int32; fp8: accumulated in
+    float32), converted and scaled in float32 as :func:`mosaic_gemm_reference`.
   """
   return _gemm(a, b, a_scale, b_scale, out_dtype, check_call(a, b, config, out_dtype))
 
 
 def mosaic_gemm_reference(a: jax.Array, b: jax.Array, *, a_scale=None, b_scale=None,
                           out_dtype=jnp.bfloat16) -> jax.Array:
-  """Pure-jnp reference: the exact int32 product, then ``(acc * a_scale) * b_scale`` in f32."""
-  acc = lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+  """Pure-jnp reference: the product in the accumulator dtype (int8: int32, fp8: float32),
+  then ``(acc * a_scale) * b_scale`` in f32."""
+  acc = lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=acc_dtype(a.dtype))
   sa = _as_vector(a_scale, a.shape[0], "a_scale")
   sb = _as_vector(b_scale, b.shape[0], "b_scale")
   return (acc.astype(jnp.float32) * sa[:, None] * sb[None, :]).astype(out_dtype)
@@ -230,7 +244,7 @@ def _kernel(a, b, sa, sb, *, cfg: GemmConfig, out_dtype) -> jax.Array:
   m_tiles, n_tiles, k_steps = m // cfg.cta_m, n // cfg.cta_n, k // tk
   minor = AXES.index(cfg.grid_minor)
 
-  in_sw = plgpu.find_swizzle(tk * 8, "int8 operand")
+  in_sw = plgpu.find_swizzle(tk * 8, "8-bit operand")
   in_tr = (plgpu.TilingTransform((8, in_sw)), plgpu.SwizzleTransform(in_sw))
   o_bits = out_dtype.itemsize * 8
   o_sw = plgpu.find_swizzle(epi * o_bits, "output")
@@ -269,7 +283,7 @@ def _kernel(a, b, sa, sb, *, cfg: GemmConfig, out_dtype) -> jax.Array:
           row0, col0 = mi * cfg.cta_m, ni * cfg.cta_n + wg * tn
 
         def context(run):
-          @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, tn), jnp.int32))
+          @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, tn), acc_dtype(a.dtype)))
           def _acc(acc):
             run(acc)
             ra = plgpu.load(sa_gmem.at[pl.ds(row0, tm)], layout=plgpu.Layout.WGMMA.reduce(1),

@@ -76,8 +76,16 @@ def test_checked_config_errors():
   assert mg.checked_config(a, b) == mg.default_config(256, 512, 256)
   with pytest.raises(ValueError, match=r"\(M, K\) and \(N, K\)"):
     mg.checked_config(a, jnp.ones((512, 128), jnp.int8))
-  with pytest.raises(ValueError, match="must be int8; got int8 and float32"):
+  with pytest.raises(ValueError, match=r"one dtype of \['int8', 'float8_e4m3fn', "
+                                       r"'float8_e5m2'\].*got int8 and float32"):
     mg.checked_config(a, b.astype(jnp.float32))
+  with pytest.raises(ValueError, match="got float8_e5m2 and float8_e4m3fn"):
+    mg.checked_config(a.astype(jnp.float8_e5m2), b.astype(jnp.float8_e4m3fn))
+  # fp8 accumulates in float32: no K bound
+  k = (mg.MAX_K // 128 + 1) * 128
+  huge = jax.ShapeDtypeStruct((128, k), jnp.float8_e4m3fn)
+  assert mg.checked_config(huge, jax.ShapeDtypeStruct((256, k), jnp.float8_e4m3fn),
+                           mg.GemmConfig(tile_n=64, wg_axis="n")).tile_n == 64
   with pytest.raises(ValueError, match="out_dtype=int32"):
     mg.checked_config(a, b, out_dtype=jnp.int32)
   with pytest.raises(UnsupportedCall, match=r"\(M, N, K\) = \(200, 512, 256\).*\(128, 256\)"):
@@ -116,11 +124,11 @@ def _plan_gemm(x, w, dn, out_dtype, **kw):
   return mosaic_backend.plan_gemm(DotCall(x, w, dn, jnp.dtype(out_dtype)), **kw)
 
 
-def _int8_qarrays(m, k, n, seed=0, lhs_qtype="int8"):
+def _int8_qarrays(m, k, n, seed=0, lhs_qtype="int8", rhs_qtype="int8"):
   ks = jax.random.split(jax.random.key(seed), 2)
   x = qa.quantize(jax.random.normal(ks[0], (m, k)), qa.QuantizeSpec(qtype=lhs_qtype,
                                                                       channelwise_axes=(0,)))
-  w = qa.quantize(jax.random.normal(ks[1], (k, n)), qa.QuantizeSpec(qtype="int8",
+  w = qa.quantize(jax.random.normal(ks[1], (k, n)), qa.QuantizeSpec(qtype=rhs_qtype,
                                                                       channelwise_axes=(1,)))
   return x, w
 
@@ -141,6 +149,29 @@ def test_plan_gemm_gives_the_xla_paths_numbers(out_dtype, lhs_qtype):
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("qtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_plan_gemm_takes_fp8_of_one_dtype(qtype):
+  # fp8 x fp8 of one dtype (the fp8 forward): the plan keeps the codes' dtype, and through the
+  # reference (float32 accumulation, the same epilogue order) gives the XLA path's product
+  # within float32 summation order; the float64 product of the codes bounds both.
+  x, w = _int8_qarrays(256, 384, 512, lhs_qtype=qtype, rhs_qtype=qtype)
+  plan = _plan_gemm(x, w, DN, jnp.float32)
+  assert plan.a.dtype == plan.b.dtype == jnp.dtype(qtype) and plan.out_shape == (256, 512)
+  np.testing.assert_array_equal(np.asarray(plan.b, np.float32), np.asarray(w.qvalue.T, np.float32))
+  got = np.asarray(mg.mosaic_gemm_reference(plan.a, plan.b, a_scale=plan.a_scale,
+                                            b_scale=plan.b_scale, out_dtype=jnp.float32))
+  want = np.asarray(qdot.dot_general_quantized_xla(x, w, DN, preferred_element_type=jnp.float32))
+  exact = (np.asarray(x.qvalue, np.float64) @ np.asarray(w.qvalue, np.float64)) \
+      * np.asarray(x.scale, np.float64) * np.asarray(w.scale, np.float64)
+  # |error| of a float32 sum of K products <= K * eps * sum |terms| (+ the epilogue's 2 ulp)
+  bound = 384 * 2.0**-24 * ((np.abs(np.asarray(x.qvalue, np.float64))
+                            @ np.abs(np.asarray(w.qvalue, np.float64)))
+                           * np.asarray(x.scale, np.float64) * np.asarray(w.scale, np.float64)) \
+      + 2.0**-22 * np.abs(exact)
+  for out in (got, want):
+    assert np.all(np.abs(out - exact) <= bound)
+
+
 @pytest.mark.slow
 def test_plan_gemm_refuses_what_it_cannot_take():
   x, w = _int8_qarrays(256, 384, 512)
@@ -148,8 +179,16 @@ def test_plan_gemm_refuses_what_it_cannot_take():
     _plan_gemm(x.dequantize(jnp.float32), w, DN, jnp.float32)
   fp8 = qa.quantize(jnp.ones((256, 384)), qa.QuantizeSpec(qtype="float8_e4m3fn",
                                                           channelwise_axes=(0,)))
-  with pytest.raises(Unsupported, match="lhs qtype float8_e4m3fn"):
+  with pytest.raises(Unsupported, match="float8_e4m3fn x int8 .wgmma reads one element type"):
     _plan_gemm(fp8, w, DN, jnp.float32)
+  e5m2 = qa.quantize(jnp.ones((384, 512)), qa.QuantizeSpec(qtype="float8_e5m2",
+                                                           channelwise_axes=(1,)))
+  with pytest.raises(Unsupported, match="float8_e4m3fn x float8_e5m2"):
+    _plan_gemm(fp8, e5m2, DN, jnp.float32)
+  mx = qa.quantize(jnp.ones((256, 384)), qa.QuantizeSpec(qtype="mxfp8", channelwise_axes=(0,),
+                                                         tiled_axes={1: 32}))
+  with pytest.raises(Unsupported, match="lhs qtype mxfp8 has no GPU kernel"):
+    _plan_gemm(mx, w, DN, jnp.float32)
   grouped = qa.quantize(jax.random.normal(jax.random.key(2), (384, 512)),
                         qa.QuantizeSpec(qtype="int8", channelwise_axes=(1,), tiled_axes={0: 128}))
   with pytest.raises(Unsupported, match="rhs scale varies along a contracting axis"):
@@ -274,6 +313,60 @@ def test_mosaic_gemm_gpu_is_exact(cfg, out_dtype):
   ref = mg.mosaic_gemm_reference(a, b, a_scale=sa, b_scale=sb, out_dtype=out_dtype)
   assert out.dtype == out_dtype and out.shape == (m, n)
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+
+
+def _fp8_codes(key, shape, dtype):
+  # every finite code of the format, subnormals included (|x| up to the format's max)
+  finfo = jnp.finfo(dtype)
+  x = jax.random.normal(key, shape, jnp.float32) * float(finfo.max) / 4
+  return jnp.clip(x, -float(finfo.max), float(finfo.max)).astype(dtype)
+
+
+def _fp8_bound(a, b, sa, sb):
+  """(exact product, |error| bound) of a float32-accumulated fp8 GEMM with the scale epilogue:
+  K * eps32 * sum |terms| for the sum, 2 ulp for the two scale products."""
+  a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  s = np.asarray(sa, np.float64)[:, None] * np.asarray(sb, np.float64)[None, :]
+  exact = (a64 @ b64.T) * s
+  return exact, a.shape[1] * 2.0**-24 * (np.abs(a64) @ np.abs(b64).T) * s + 2.0**-22 * np.abs(exact)
+
+
+@pytest.mark.gpu
+@_needs_hopper
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("cfg", ["default", "narrow", "deep_k"])
+def test_mosaic_gemm_gpu_fp8_is_within_float32_summation(cfg, dtype):
+  # fp8 x fp8 accumulates in float32 (wgmma's order is not cuBLAS's): the kernel and cuBLAS
+  # (the reference, XLA's fp8 GEMM) each within the float32 summation bound of the exact product
+  ks = jax.random.split(jax.random.key(zlib.crc32(cfg.encode())), 4)
+  m, k, n = 512, 768, 1024
+  a, b = _fp8_codes(ks[0], (m, k), dtype), _fp8_codes(ks[1], (n, k), dtype)
+  sa, sb = _scales(ks[2], m), _scales(ks[3], n)
+  run = lambda f: np.asarray(jax.jit(f)(a, b), np.float64)
+  out = run(lambda a, b: mg.mosaic_gemm(a, b, a_scale=sa, b_scale=sb, out_dtype=jnp.float32,
+                                        config=GPU_CONFIGS[cfg]))
+  ref = run(lambda a, b: mg.mosaic_gemm_reference(a, b, a_scale=sa, b_scale=sb,
+                                                  out_dtype=jnp.float32))
+  exact, bound = _fp8_bound(a, b, sa, sb)
+  assert np.all(np.abs(out - exact) <= bound) and np.all(np.abs(ref - exact) <= bound)
+  bf16 = run(lambda a, b: mg.mosaic_gemm(a, b, a_scale=sa, b_scale=sb, out_dtype=jnp.bfloat16))
+  assert np.all(np.abs(bf16 - exact) <= bound + 2.0**-8 * np.abs(exact))
+
+
+@pytest.mark.gpu
+@_needs_hopper
+def test_auto_runs_large_fp8_forward_products_on_the_gemm():
+  # e4m3 x e4m3 (the fp8 forward) takes the GEMM; e5m2 x e4m3 (a gradient product) does not
+  x, w = _int8_qarrays(mosaic_backend.AUTO_GEMM_MIN_M, 384, 512, lhs_qtype="float8_e4m3fn",
+                       rhs_qtype="float8_e4m3fn")
+  run = lambda impl, x=x: jax.jit(lambda x, w: dispatch.quantized_dot_general(
+      x, w, DN, preferred_element_type=jnp.float32, implementation=impl))
+  assert "mosaic_gpu" in run("auto").lower(x, w).as_text()
+  exact, bound = _fp8_bound(x.qvalue, w.qvalue.T, x.scale[:, 0], w.scale[0])
+  for impl in ("auto", "mosaic", "xla"):
+    assert np.all(np.abs(np.asarray(run(impl)(x, w), np.float64) - exact) <= bound), impl
+  g, _ = _int8_qarrays(mosaic_backend.AUTO_GEMM_MIN_M, 384, 512, lhs_qtype="float8_e5m2")
+  assert "mosaic_gpu" not in run("auto", g).lower(g, w).as_text()
 
 
 @pytest.mark.gpu

@@ -5,11 +5,12 @@
   integer QArray activations of <= 8 bits (int8 wgmma) x binary/int4/int8
   weights (int2 with integer activations only) with per-channel scales, as a
   QArray or a :class:`~qtrain.kernels.mosaic_matmul.MosaicWeight`.
-* Larger M: the int8 GEMM :mod:`qtrain.kernels.mosaic_gemm` for integer
-  QArrays of <= 8 bits on both sides (per-row / per-column scales, fused).
+* Larger M: the 8-bit GEMM :mod:`qtrain.kernels.mosaic_gemm` for integer
+  QArrays of <= 8 bits on both sides, or fp8 QArrays of one dtype on both
+  sides (per-row / per-column scales, fused).
 
-"auto" runs here (a) int8 x int8 products of at least :data:`AUTO_GEMM_MIN_M`
-rows on the GEMM, on a Hopper GPU, where its shapes tile; (b) a MosaicWeight
+"auto" runs here (a) such products of at least :data:`AUTO_GEMM_MIN_M` rows
+on the GEMM, on a Hopper GPU, where its shapes tile; (b) a MosaicWeight
 rhs where the small-M kernel runs (a CUDA lowering, a dot it takes). It does
 not choose the small-M kernel for QArray weights (that would repack them
 every call).
@@ -42,7 +43,8 @@ AUTO_GEMM_MIN_M = 512
 
 @dataclasses.dataclass(frozen=True)
 class GemmPlan:
-  """A canonicalised int8 x int8 call for the Mosaic GEMM: a (M, K), b (N, K)."""
+  """A canonicalised 8-bit call for the Mosaic GEMM: a (M, K), b (N, K), both int8 or both
+  of one fp8 dtype."""
 
   a: Any
   a_scale: Any  # (M,) float32
@@ -201,19 +203,36 @@ def plan_matmul(call: DotCall) -> MatmulPlan:
   return MatmulPlan(x, x_scale, w, out_shape, call.out_dtype)
 
 
+def _gemm_dtype(qt: qtypes.QType) -> jnp.dtype | None:
+  """The Mosaic GEMM's operand dtype for values of ``qt``: int8 for integers of <= 8 bits,
+  the fp8 dtype for per-channel fp8 (not MX: its block scales vary along K); else None."""
+  if qt.is_integer_like and qt.bits <= 8:
+    return jnp.dtype(jnp.int8)
+  if qt.is_float and not qt.is_mx and jnp.dtype(qt.compute_dtype) in _gemm.OPERAND_DTYPES:
+    return jnp.dtype(qt.compute_dtype)
+  return None
+
+
 def plan_gemm(call: DotCall, min_m: int = 1) -> GemmPlan:
-  """Both operands symmetric integer QArrays of <= 8 bits with per-row / per-column
-  scales, no batch axes, a float output, at least ``min_m`` rows: the Mosaic GEMM's
-  plan; else Unsupported (raised before any operand is transposed)."""
+  """Both operands symmetric QArrays of one 8-bit kind (integers of <= 8 bits, or one fp8
+  dtype: wgmma reads one element type) with per-row / per-column scales, no batch axes, a
+  float output, at least ``min_m`` rows: the Mosaic GEMM's plan; else Unsupported (raised
+  before any operand is transposed)."""
   _base.decline_emulated(call)
   lhs, rhs, out_dtype = call.lhs, call.rhs, call.out_dtype
+  dtypes = []
   for what, q in (("lhs", lhs), ("rhs", rhs)):
     if not _base.is_qarray(q):
-      raise Unsupported(f"the {what} is not a QArray (the Mosaic GEMM takes int8 x int8)")
-    if not q.qtype.is_integer_like or q.qtype.bits > 8:
-      raise Unsupported(f"{what} qtype {q.qtype.name} (the Mosaic GEMM takes integers of <= 8 bits)")
+      raise Unsupported(f"the {what} is not a QArray (the Mosaic GEMM takes 8-bit x 8-bit)")
+    dtypes.append(_gemm_dtype(q.qtype))
+    if dtypes[-1] is None:
+      raise Unsupported(f"{what} qtype {q.qtype.name} (the Mosaic GEMM takes integers of <= 8 "
+                        f"bits and per-channel fp8)")
     if q.zero_point is not None:
       raise Unsupported(f"asymmetric (zero-point) {what}")
+  if dtypes[0] != dtypes[1]:
+    raise Unsupported(f"{lhs.qtype.name} x {rhs.qtype.name} (wgmma reads one element type for "
+                      f"both operands)")
   if jnp.dtype(out_dtype) not in _gemm.OUT_DTYPES:
     raise Unsupported(f"output dtype {jnp.dtype(out_dtype)} (the Mosaic GEMM writes "
                       f"{[str(d) for d in _gemm.OUT_DTYPES]})")
@@ -221,8 +240,8 @@ def plan_gemm(call: DotCall, min_m: int = 1) -> GemmPlan:
   m = math.prod(lhs.shape[i] for i in lfree)
   if m < min_m:
     raise Unsupported(f"M={m} (below {min_m} rows)")
-  a = _gemm_operand(lhs.qvalue, lc, lfree)
-  b = _gemm_operand(rhs.qvalue, rc, rfree)
+  a = _gemm_operand(lhs.qvalue, lc, lfree, dtypes[0])
+  b = _gemm_operand(rhs.qvalue, rc, rfree, dtypes[1])
   if 0 in a.shape or b.shape[0] == 0:
     raise Unsupported("empty operand")
   sa = _base.row_scale(lhs.scale.astype(jnp.float32), lc, lfree, lhs.shape, "lhs")
@@ -231,10 +250,10 @@ def plan_gemm(call: DotCall, min_m: int = 1) -> GemmPlan:
   return GemmPlan(a, sa, b, sb, out_shape, jnp.dtype(out_dtype))
 
 
-def _gemm_operand(x, contract, free):
-  """(free..., contract...) as 2-D int8 in GEMM layout, transposed (where needed) by
+def _gemm_operand(x, contract, free, dtype):
+  """(free..., contract...) as 2-D ``dtype`` in GEMM layout, transposed (where needed) by
   :func:`qtrain.kernels.transpose.gemm_transpose` as on the XLA path."""
   perm = tuple(free) + tuple(contract)
   if perm != tuple(range(x.ndim)):
     x = _transpose.gemm_transpose(x, perm)
-  return x.reshape(math.prod(x.shape[:len(free)]), -1).astype(jnp.int8)
+  return x.reshape(math.prod(x.shape[:len(free)]), -1).astype(dtype)
