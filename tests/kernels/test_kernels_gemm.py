@@ -322,51 +322,47 @@ def _fp8_codes(key, shape, dtype):
   return jnp.clip(x, -float(finfo.max), float(finfo.max)).astype(dtype)
 
 
-def _fp8_bound(a, b, sa, sb):
-  """(exact product, |error| bound) of a float32-accumulated fp8 GEMM with the scale epilogue:
-  K * eps32 * sum |terms| for the sum, 2 ulp for the two scale products."""
-  a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+def _rel_err(out, a, b, sa, sb) -> float:
+  """Relative Frobenius error of ``out`` against the float64 product of the codes, scaled."""
   s = np.asarray(sa, np.float64)[:, None] * np.asarray(sb, np.float64)[None, :]
-  exact = (a64 @ b64.T) * s
-  return exact, a.shape[1] * 2.0**-24 * (np.abs(a64) @ np.abs(b64).T) * s + 2.0**-22 * np.abs(exact)
+  exact = (np.asarray(a, np.float64) @ np.asarray(b, np.float64).T) * s
+  return float(np.linalg.norm(np.asarray(out, np.float64) - exact) / np.linalg.norm(exact))
 
 
 @pytest.mark.gpu
 @_needs_hopper
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
 @pytest.mark.parametrize("cfg", ["default", "narrow", "deep_k"])
-def test_mosaic_gemm_gpu_fp8_is_within_float32_summation(cfg, dtype):
-  # fp8 x fp8 accumulates in float32 (wgmma's order is not cuBLAS's): the kernel and cuBLAS
-  # (the reference, XLA's fp8 GEMM) each within the float32 summation bound of the exact product
+def test_mosaic_gemm_gpu_fp8_errs_like_cublas(cfg, dtype):
+  # fp8 wgmma accumulates with fewer bits than float32 (Hopper's fp8 tensor cores; cuBLAS's
+  # fast accumulation, which XLA uses for these products, the same), so the kernel is held to
+  # cuBLAS's own error against the float64 product: a wrong tile, scale or order errs by O(1).
   ks = jax.random.split(jax.random.key(zlib.crc32(cfg.encode())), 4)
   m, k, n = 512, 768, 1024
   a, b = _fp8_codes(ks[0], (m, k), dtype), _fp8_codes(ks[1], (n, k), dtype)
   sa, sb = _scales(ks[2], m), _scales(ks[3], n)
-  run = lambda f: np.asarray(jax.jit(f)(a, b), np.float64)
-  out = run(lambda a, b: mg.mosaic_gemm(a, b, a_scale=sa, b_scale=sb, out_dtype=jnp.float32,
-                                        config=GPU_CONFIGS[cfg]))
-  ref = run(lambda a, b: mg.mosaic_gemm_reference(a, b, a_scale=sa, b_scale=sb,
-                                                  out_dtype=jnp.float32))
-  exact, bound = _fp8_bound(a, b, sa, sb)
-  assert np.all(np.abs(out - exact) <= bound) and np.all(np.abs(ref - exact) <= bound)
-  bf16 = run(lambda a, b: mg.mosaic_gemm(a, b, a_scale=sa, b_scale=sb, out_dtype=jnp.bfloat16))
-  assert np.all(np.abs(bf16 - exact) <= bound + 2.0**-8 * np.abs(exact))
+  gemm = lambda out_dtype: jax.jit(lambda a, b: mg.mosaic_gemm(
+      a, b, a_scale=sa, b_scale=sb, out_dtype=out_dtype, config=GPU_CONFIGS[cfg]))(a, b)
+  cublas = _rel_err(jax.jit(lambda a, b: mg.mosaic_gemm_reference(
+      a, b, a_scale=sa, b_scale=sb, out_dtype=jnp.float32))(a, b), a, b, sa, sb)
+  assert cublas < 2.0**-8
+  assert _rel_err(gemm(jnp.float32), a, b, sa, sb) <= 2 * cublas
+  assert _rel_err(gemm(jnp.bfloat16), a, b, sa, sb) <= 2 * cublas + 2.0**-8
 
 
 @pytest.mark.gpu
 @_needs_hopper
-def test_auto_runs_large_fp8_forward_products_on_the_gemm():
-  # e4m3 x e4m3 (the fp8 forward) takes the GEMM; e5m2 x e4m3 (a gradient product) does not
+def test_fp8_products_run_on_the_gemm_only_when_forced():
+  # "auto" leaves fp8 x fp8 on XLA (the same numbers as "xla"); "mosaic" runs it
   x, w = _int8_qarrays(mosaic_backend.AUTO_GEMM_MIN_M, 384, 512, lhs_qtype="float8_e4m3fn",
                        rhs_qtype="float8_e4m3fn")
-  run = lambda impl, x=x: jax.jit(lambda x, w: dispatch.quantized_dot_general(
+  run = lambda impl: jax.jit(lambda x, w: dispatch.quantized_dot_general(
       x, w, DN, preferred_element_type=jnp.float32, implementation=impl))
-  assert "mosaic_gpu" in run("auto").lower(x, w).as_text()
-  exact, bound = _fp8_bound(x.qvalue, w.qvalue.T, x.scale[:, 0], w.scale[0])
-  for impl in ("auto", "mosaic", "xla"):
-    assert np.all(np.abs(np.asarray(run(impl)(x, w), np.float64) - exact) <= bound), impl
-  g, _ = _int8_qarrays(mosaic_backend.AUTO_GEMM_MIN_M, 384, 512, lhs_qtype="float8_e5m2")
-  assert "mosaic_gpu" not in run("auto", g).lower(g, w).as_text()
+  assert "mosaic_gpu" not in run("auto").lower(x, w).as_text()
+  assert "mosaic_gpu" in run("mosaic").lower(x, w).as_text()
+  np.testing.assert_array_equal(np.asarray(run("auto")(x, w)), np.asarray(run("xla")(x, w)))
+  args = (x.qvalue, w.qvalue.T, x.scale[:, 0], w.scale[0])
+  assert _rel_err(run("mosaic")(x, w), *args) <= 2 * _rel_err(run("xla")(x, w), *args)
 
 
 @pytest.mark.gpu

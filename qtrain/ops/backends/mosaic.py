@@ -9,8 +9,9 @@
   QArrays of <= 8 bits on both sides, or fp8 QArrays of one dtype on both
   sides (per-row / per-column scales, fused).
 
-"auto" runs here (a) such products of at least :data:`AUTO_GEMM_MIN_M` rows
-on the GEMM, on a Hopper GPU, where its shapes tile; (b) a MosaicWeight
+"auto" runs here (a) integer products of at least :data:`AUTO_GEMM_MIN_M`
+rows on the GEMM, on a Hopper GPU, where its shapes tile (fp8 ones only when
+forced: see :meth:`MosaicBackend.auto_plan`); (b) a MosaicWeight
 rhs where the small-M kernel runs (a CUDA lowering, a dot it takes). It does
 not choose the small-M kernel for QArray weights (that would repack them
 every call).
@@ -113,6 +114,11 @@ class MosaicBackend:
       except (Unsupported, _mosaic.UnsupportedCall):
         return None
     if not _common.on_hopper():
+      return None
+    if not all(_base.is_qarray(q) and q.qtype.is_integer_like for q in (call.lhs, call.rhs)):
+      # fp8 runs on the GEMM only when forced: its wgmma accumulation (no promotion to a
+      # float32 register sum) errs up to ~2x more than cuBLAS's at K >= 4096 (docs/findings.md,
+      # "The Mosaic GEMM on fp8"). Checked before planning: a plan traces the transposes.
       return None
     try:
       plan = plan_gemm(call, min_m=AUTO_GEMM_MIN_M)
