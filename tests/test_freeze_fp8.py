@@ -221,6 +221,7 @@ def test_static_and_learned_fp8_input_scales():
                                 layer.apply(v, x))
 
 
+@pytest.mark.slow  # 8 s on two CPU cores
 def test_input_gradient_is_the_float_products_through_the_dequantized_weight():
   model, provider, qmodel, v, x = _dense("mxfp8")
   frozen = freeze.freeze(v, provider)

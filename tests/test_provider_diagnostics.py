@@ -109,6 +109,7 @@ class TestUnmatchedRules:
     assert "rules[1]" in msgs[0] and "earlier rules match first on" in msgs[0]
     assert "rules[2]" in msgs[1] and "op_names=('einsum',) excludes" in msgs[1]
 
+  @pytest.mark.slow  # 7 s on two CPU cores
   def test_all_rules_used_no_warning(self):
     p = qtrain.QtProvider([qtrain.QtRule(module_path=".*mlp_up", weight_qtype="int8"),
                            qtrain.QtRule(module_path=".*", weight_qtype="int4")])

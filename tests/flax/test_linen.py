@@ -370,6 +370,7 @@ class TestState:
     np.testing.assert_allclose(v["quant_stats"]["dot_general0_act_static_scale"],
                                0.5 * s[0] + 0.5 * s[1], rtol=1e-6)
 
+  @pytest.mark.slow  # 6 s on two CPU cores
   def test_frozen_before_calibration_uses_dynamic_scale(self):
     qm = self._static()
     v = jax.jit(qm.init)(jax.random.key(1), X)

@@ -107,6 +107,7 @@ class TestSameAsLayers:
                                         ("dot_general1", "quantized", "rhs"),
                                         ("einsum0", "quantized", "rhs")]
 
+  @pytest.mark.slow  # 18 s on two CPU cores
   def test_one_op_per_call_site_in_the_models_state(self):
     d, _ = _pair()
     qtrain.quantize_model(d, _provider(**W8A8G8), X)
