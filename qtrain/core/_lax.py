@@ -15,6 +15,12 @@ optimization_barrier = jax.lax.optimization_barrier
 ragged_dot_general = jax.lax.ragged_dot_general
 
 
+def has_symbolic_dim(*shapes) -> bool:
+  """Whether any of ``shapes`` has a symbolic dimension (``jax.export`` with a shape
+  variable): the kernels tile and pick configs on concrete sizes, so such products run on XLA."""
+  return any(jax.export.is_symbolic_dim(d) for shape in shapes for d in shape)
+
+
 def varying_axes(x) -> frozenset:
   """The ``jax.shard_map`` mesh axes ``x`` varies over (empty outside shard_map, and for None)."""
   if x is None:

@@ -148,17 +148,13 @@ def _codes_factor(lq, rq, p) -> bool:
           and varies_only(lq.scale, lhs_spec[0]) and varies_only(rq.scale, rhs_spec[0]))
 
 
-def _symbolic(*shapes) -> bool:
-  return any(jax.export.is_symbolic_dim(d) for shape in shapes for d in shape)
-
-
 def direct_forward(lq, rq, p) -> bool:
   """Whether ``implementation="auto"`` runs this forward as XLA's own convolution of the codes
   on a CUDA lowering (cuDNN's int8 implicit GEMM; exact, the numbers of the matrix product):
   two integer-coded QArrays whose scales factor out (:func:`_codes_factor`), one feature group,
   concrete shapes. fp8 codes, groups and everything else take the matrix product."""
   return (_as_matmul(p) and p["feature_group_count"] == 1 and _codes_factor(lq, rq, p)
-          and not lq.qtype.is_float and not _symbolic(lq.shape, rq.shape))
+          and not lq.qtype.is_float and not _lax.has_symbolic_dim(lq.shape, rq.shape))
 
 
 def quantized_conv(lq, rq, p, out_dtype, compute_dtype=None, implementation: str = "xla"):
@@ -296,7 +292,7 @@ def direct_float_grads(p, config, lres, rres, g) -> tuple[bool, bool]:
   ok = (config.implementation == "auto" and p["feature_group_count"] == 1
         and lres.given_scale is None and rres.given_scale is None
         and plain(a, lhs_spec[2:]) and plain(b, rhs_spec[2:])
-        and not _symbolic(a.shape, b.shape, g.shape))
+        and not _lax.has_symbolic_dim(a.shape, b.shape, g.shape))
   return ok and config.dlhs_grad is None, ok and config.drhs_grad is None
 
 

@@ -40,6 +40,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from qtrain.core import _lax
 from qtrain.core import qdot
 from qtrain.kernels import _common
 from qtrain.kernels import mosaic_matmul as _mosaic
@@ -117,10 +118,6 @@ def _forced(name: str, call: _base.DotCall) -> jax.Array:
   return backend.run(plan)
 
 
-def _symbolic(shape) -> bool:
-  return any(jax.export.is_symbolic_dim(d) for d in shape)
-
-
 def _auto(call: _base.DotCall) -> jax.Array:
   # Kernels are chosen per lowering platform (not the process's default
   # backend), so the same code also runs on a CPU device of a GPU process.
@@ -135,7 +132,7 @@ def _auto(call: _base.DotCall) -> jax.Array:
                                       default=lambda: interpret.run(plan))
   xla = lambda: _AUTO_XLA.run(_AUTO_XLA.plan(call))
   # (A MosaicWeight rhs has concrete sizes by construction: only arrays and QArrays have shapes.)
-  if _symbolic(call.lhs.shape) or _symbolic(getattr(call.rhs, "shape", ())):
+  if _lax.has_symbolic_dim(call.lhs.shape, getattr(call.rhs, "shape", ())):
     # A symbolic dimension (jax.export with a shape variable): the GPU backends plan grids and
     # pick measured configs on concrete sizes, so the product is XLA's, valid for every size.
     return xla()
