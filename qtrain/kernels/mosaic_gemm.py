@@ -3,8 +3,9 @@
 ``out = ((a @ b.T) as f32 * a_scale[:, None]) * b_scale[None, :]`` cast to
 ``out_dtype``, with ``a`` (M, K) and ``b`` (N, K) of one 8-bit dtype
 (:data:`OPERAND_DTYPES`: int8, accumulated in int32, exact; or one fp8 dtype,
-accumulated in float32, as cuBLAS does), both K-contiguous (what 8-bit wgmma
-reads). This is the product every int8 GEMM of a quantized training step
+accumulated by the fp8 tensor cores into float32 registers with fewer bits per
+addition, docs/findings.md "The Mosaic GEMM on fp8"), both K-contiguous (what
+8-bit wgmma reads). This is the product every int8 GEMM of a quantized training step
 computes (forward and both backward products), and the fp8 forward's
 (e4m3 x e4m3; wgmma takes one element type for both operands, so e5m2 x e4m3
 gradient products are not its). XLA runs it as cuBLAS's GEMM, whose int32 /
@@ -21,8 +22,8 @@ directly:
   accumulates its (tile_m, tile_n) part with wgmma (int32 for int8: exact;
   float32 for fp8);
 * the epilogue converts, scales in the order of
-  :func:`qtrain.core.qdot.scale_product` (the XLA path's numbers, bit for
-  bit), casts, and stores through shared memory with TMA.
+  :func:`qtrain.core.qdot.scale_product` (for int8 the XLA path's numbers, bit
+  for bit), casts, and stores through shared memory with TMA.
 
 Shapes must tile: M by the CTA's rows, N by its columns, K by ``tile_k``
 (:func:`checked_config` names what does not; :mod:`qtrain.ops.dispatch`
@@ -203,8 +204,9 @@ def mosaic_gemm(a: jax.Array, b: jax.Array, *, a_scale=None, b_scale=None,
     config: a :class:`GemmConfig`; default :func:`default_config`.
 
   Returns:
-    (M, N) ``out_dtype``: the product (int8: exact in int32; fp8: accumulated in
-    float32), converted and scaled in float32 as :func:`mosaic_gemm_reference`.
+    (M, N) ``out_dtype``: the product (int8: exact in int32; fp8: accumulated by
+    the tensor cores, not bit for bit cuBLAS's), converted and scaled in float32
+    as :func:`mosaic_gemm_reference`.
   """
   return _gemm(a, b, a_scale, b_scale, out_dtype, check_call(a, b, config, out_dtype))
 
