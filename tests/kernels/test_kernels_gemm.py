@@ -316,7 +316,7 @@ def test_mosaic_gemm_gpu_is_exact(cfg, out_dtype):
 
 
 def _fp8_codes(key, shape, dtype):
-  # every finite code of the format, subnormals included (|x| up to the format's max)
+  # codes across the format's range (|x| up to its max; a few subnormal ones among them)
   finfo = jnp.finfo(dtype)
   x = jax.random.normal(key, shape, jnp.float32) * float(finfo.max) / 4
   return jnp.clip(x, -float(finfo.max), float(finfo.max)).astype(dtype)
@@ -335,8 +335,9 @@ def _rel_err(out, a, b, sa, sb) -> float:
 @pytest.mark.parametrize("cfg", ["default", "narrow", "deep_k"])
 def test_mosaic_gemm_gpu_fp8_errs_like_cublas(cfg, dtype):
   # fp8 wgmma accumulates with fewer bits than float32 (Hopper's fp8 tensor cores; cuBLAS's
-  # fast accumulation, which XLA uses for these products, the same), so the kernel is held to
-  # cuBLAS's own error against the float64 product: a wrong tile, scale or order errs by O(1).
+  # error on XLA's fp8 GEMM is of the same kind, docs/findings.md "The Mosaic GEMM on fp8"), so
+  # the kernel is held to cuBLAS's own error against the float64 product: a wrong tile, scale
+  # or order errs by O(1).
   ks = jax.random.split(jax.random.key(zlib.crc32(cfg.encode())), 4)
   m, k, n = 512, 768, 1024
   a, b = _fp8_codes(ks[0], (m, k), dtype), _fp8_codes(ks[1], (n, k), dtype)
