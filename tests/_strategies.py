@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
+import hypothesis
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,20 @@ import numpy as np
 
 from qtrain.core import qarray, qtypes, rounding
 from qtrain.ops import config as C
+
+DEEP_EXAMPLES_ENV = "QTRAIN_DEEP_EXAMPLES"
+
+
+def deep(fast: hypothesis.settings, examples: int) -> hypothesis.settings:
+  """The settings of a ``*_deep`` property test: ``fast``'s with ``examples`` examples, or
+  with ``$QTRAIN_DEEP_EXAMPLES`` where that is set (a longer search than CI's:
+  ``QTRAIN_DEEP_EXAMPLES=1000 pytest -m slow -k deep tests``). The examples are
+  derandomized, so CI's run is a fixed regression set; a longer run explores further."""
+  n = os.environ.get(DEEP_EXAMPLES_ENV)
+  if n is not None and not (n.isdigit() and int(n) > 0):
+    raise ValueError(f"{DEEP_EXAMPLES_ENV}={n!r}: give a positive number of examples")
+  return hypothesis.settings(fast, max_examples=int(n) if n else examples)
+
 
 # The qtypes the generic property tests draw: every qtype with a free float32 scale and a
 # numeric code (the value-set and MX qtypes have their own references and budgets, drawn by

@@ -32,7 +32,7 @@ from qtrain.core import qarray, qtypes
 
 FAST = hypothesis.settings(max_examples=60, deadline=None, derandomize=True, database=None,
                            suppress_health_check=list(hypothesis.HealthCheck))
-DEEP = hypothesis.settings(FAST, max_examples=600)
+DEEP = S.deep(FAST, 150)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))

@@ -53,7 +53,7 @@ from qtrain.ops.conv_general_qt import conv_general_qt
 
 FAST = hypothesis.settings(max_examples=25, deadline=None, derandomize=True, database=None,
                            suppress_health_check=list(hypothesis.HealthCheck))
-DEEP = hypothesis.settings(FAST, max_examples=150)
+DEEP = S.deep(FAST, 60)
 EPILOGUE_ROUNDINGS = 2  # acc * ls * rs in float32
 HIGHEST = jax.lax.Precision.HIGHEST
 

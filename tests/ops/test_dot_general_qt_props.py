@@ -78,7 +78,7 @@ from qtrain.ops.dot_general_qt import dot_general_qt
 
 FAST = hypothesis.settings(max_examples=30, deadline=None, derandomize=True, database=None,
                            suppress_health_check=list(hypothesis.HealthCheck))
-DEEP = hypothesis.settings(FAST, max_examples=250)
+DEEP = S.deep(FAST, 80)
 EPILOGUE_ROUNDINGS = 2  # (acc * ls) * rs in float32
 
 

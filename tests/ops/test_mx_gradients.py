@@ -94,10 +94,16 @@ def test_round_to_nearest_within_budget(qt):
   _check_2d(x, w, g, qt, False, dx, dw)
 
 
+SRS = (None, "uniform", "low_bit_uniform", "low_bit_hash")
+SHAPES = ((64, 64, 32), (40, 48, 10), (3, 16, 7))
+# Every qtype with every rounding and every shape, pairwise (8 cases of ~10 s, not 24): each
+# qtype meets the shapes in another order.
+PAIRWISE = [(qt, sr, SHAPES[(i + j) % len(SHAPES)]) for j, qt in enumerate(MX)
+            for i, sr in enumerate(SRS)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("qt", MX)
-@pytest.mark.parametrize("sr", [None, "uniform", "low_bit_uniform", "low_bit_hash"])
-@pytest.mark.parametrize("shape", [(64, 64, 32), (40, 48, 10), (3, 16, 7)])
+@pytest.mark.parametrize("qt,sr,shape", PAIRWISE)
 def test_gradients_within_budget(qt, sr, shape):
   m, k, n = shape
   x, w, g = _rand((m, k), 4), _rand((k, n), 5), _rand((m, n), 6, 3.0)
