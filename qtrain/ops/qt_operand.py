@@ -319,9 +319,9 @@ def traced_once(*, static_argnums: tuple[int, ...]):
 
   ``jax.jit`` with ``static_argnums`` (the op's dimension numbers, config, dtypes and
   shapes; all hashable): a model's many same-shaped layers reuse one trace of the
-  quantization, fold and dispatch (an int8 dot's forward and backward lower to ~460 HLO
-  operations where a float dot's take ~17, with both platform branches of the kernel
-  dispatch traced) and JAX lowers the shared jaxpr to one function. XLA inlines the calls, so the compiled program is
+  quantization, fold and dispatch (a quantized dot's backward traces ~20x a float
+  dot's operations, tracing both platform branches of its kernels) and JAX lowers the
+  shared jaxpr to one function. XLA inlines the calls, so the compiled program is
   the one written inline. What the trace reads besides its arguments must be fixed
   for the process (the backend registry, device count): a test that patches such a
   module attribute clears the cache first (``jax.clear_caches()``).
