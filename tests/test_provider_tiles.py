@@ -38,7 +38,6 @@ def weight_scales(monkeypatch):
     return res
 
   monkeypatch.setattr(dqt, "quantize_operand", spy)
-  jax.clear_caches()  # the ops trace once per signature: a cached trace would skip the spy
   return seen
 
 

@@ -5,7 +5,6 @@ residual the backward keeps (:class:`OperandResidual`: the QArray, the
 estimator's pass mask, the float operand only when an LSQ-learned scale needs
 it); finishing an operand's gradient (mask, learned-scale gradient);
 quantizing an incoming gradient; PRNG key plumbing through ``custom_vjp``;
-tracing each op's forward and backward once per signature (:func:`traced_once`);
 and the dtype policy both ops follow (:func:`check_operands`,
 :func:`compute_dtype`):
 
@@ -36,7 +35,6 @@ and the dtype policy both ops follow (:func:`check_operands`,
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -312,18 +310,3 @@ def split_key(kd, grads) -> list:
   each (:func:`qtrain.core.rounding.split_key`)."""
   return rounding.split_key(kd, len(grads), [None if gq is None else gq.stochastic_rounding
                                              for gq in grads])
-
-
-def traced_once(*, static_argnums: tuple[int, ...]):
-  """A QT op's forward or backward, traced and lowered once per signature.
-
-  ``jax.jit`` with ``static_argnums`` (the op's dimension numbers, config, dtypes and
-  shapes; all hashable): a model's many same-shaped layers reuse one trace of the
-  quantization, fold and dispatch (a quantized dot's backward traces ~20x a float
-  dot's operations, tracing both platform branches of its kernels) and JAX lowers the
-  shared jaxpr to one function. XLA inlines the calls, so the compiled program is
-  the one written inline. What the trace reads besides its arguments must be fixed
-  for the process (the backend registry, device count): a test that patches such a
-  module attribute clears the cache first (``jax.clear_caches()``).
-  """
-  return functools.partial(jax.jit, static_argnums=static_argnums)

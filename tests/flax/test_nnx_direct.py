@@ -219,7 +219,6 @@ class TestSameAsLayers:
                                atol=1e-6)
     np.testing.assert_array_equal(y_stack, m.v[...] @ jnp.stack([h.T, h.T]))
 
-  @pytest.mark.slow  # 16 s on two CPU cores (the qwix surface's eager calls)
   def test_qwix_surface_quantizes_direct_calls_the_same(self):
     d, _ = _pair()
     rule = qwix.QtRule(module_path=".*", weight_qtype="int8", act_qtype="int8")

@@ -45,7 +45,6 @@ def test_gemm_sharded_along_m_and_n_computes_each_block_locally(run, case, spec)
   assert r["out_spec"] + [None] * (2 - len(r["out_spec"])) == spec
 
 
-@pytest.mark.slow  # the module's partitioner subprocesses: ~8 s each on two CPU cores
 @pytest.mark.parametrize("case", ["k", "m_k"])
 def test_gemm_sharded_along_k_sums_partial_products(run, case):
   r = run[case]
@@ -54,7 +53,6 @@ def test_gemm_sharded_along_k_sums_partial_products(run, case):
   assert r["rel_err"] < 4 * 2.0 ** -24, r
 
 
-@pytest.mark.slow
 def test_transpose_keeps_every_axis_sharding(run):
   r = run["transpose"]
   assert r["equal"] and r["collectives"] == [] and r["out_spec"] == ["model", "data"], r
