@@ -67,8 +67,8 @@ class Decoder(nn.Module):
     return nn.Dense(self.vocab)(nn.LayerNorm()(x))
 
 
-def measure(rules, *, width: int, layers: int, heads: int, vocab: int, batch: int, seq: int,
-            compile_: bool = True):
+def lower(rules, *, width: int, layers: int, heads: int, vocab: int, batch: int, seq: int):
+  """Builds the model (``rules``: None for float) and lowers its step: (seconds, lowered)."""
   model = Decoder(width, layers, heads, vocab)
   if rules is not None:
     model = qtrain.quantize_model(model, qtrain.QtProvider(rules))
@@ -86,12 +86,15 @@ def measure(rules, *, width: int, layers: int, heads: int, vocab: int, batch: in
 
   t0 = time.perf_counter()
   lowered = jax.jit(step).lower(params, tx.init(params), tokens, jax.random.key(2))
-  t1 = time.perf_counter()
-  if not compile_:
-    return t1 - t0, None, None
+  return time.perf_counter() - t0, lowered
+
+
+def measure(rules, **shape):
+  """(lower seconds, compile seconds, compiled HLO lines) of the step."""
+  lower_s, lowered = lower(rules, **shape)
+  t0 = time.perf_counter()
   compiled = lowered.compile()
-  t2 = time.perf_counter()
-  return t1 - t0, t2 - t1, compiled.as_text().count("\n")
+  return lower_s, time.perf_counter() - t0, compiled.as_text().count("\n")
 
 
 def main():
@@ -115,7 +118,7 @@ def main():
                batch=args.batch, seq=args.seq)
   rec = _record.Recorder("compile_time", shape, out_dir=args.out_dir, results=None)
   rows, base = [], None
-  measure(None, **shape, compile_=False)  # warm-up: the process's first trace, untimed
+  lower(None, **shape)  # warm-up: the process's first trace, untimed
   print("| config | lower s | vs float | compile s | vs float | HLO lines | vs float |\n"
         "|---|---|---|---|---|---|---|")
   for name in names:

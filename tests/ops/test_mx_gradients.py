@@ -96,8 +96,8 @@ def test_round_to_nearest_within_budget(qt):
 
 SRS = (None, "uniform", "low_bit_uniform", "low_bit_hash")
 SHAPES = ((64, 64, 32), (40, 48, 10), (3, 16, 7))
-# Every qtype with every rounding and every shape, pairwise (8 cases of ~10 s, not 24): each
-# qtype meets the shapes in another order.
+# Each qtype with every rounding and with every shape (8 cases of ~10 s, not the full product's
+# 24); the two qtypes meet the shapes in different orders.
 PAIRWISE = [(qt, sr, SHAPES[(i + j) % len(SHAPES)]) for j, qt in enumerate(MX)
             for i, sr in enumerate(SRS)]
 
