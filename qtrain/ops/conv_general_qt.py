@@ -221,6 +221,7 @@ def _xla_conv(lq, rq, p, out_dtype, compute_dtype=None, backend: str | None = No
   return _conv(lf, rf, p, jnp.float32).astype(out_dtype)
 
 
+@dqt.traced_once(static_argnums=(4, 5, 6))
 def _forward(lhs, rhs, lhs_scale, rhs_scale, p, config, out_dtype):
   lhs_spec, rhs_spec, _ = p["dn"]
   # Per-batch-element input scales only when batch elements map to themselves.
@@ -255,6 +256,7 @@ def _fwd(lhs, rhs, lhs_scale, rhs_scale, kd, p, config, out_dtype, meta):
   return out, (*res, kd)
 
 
+@dqt.traced_once(static_argnums=(0, 1, 2, 3))
 def _bwd(p, config, out_dtype, meta, res, g):
   lres, rres, kd = res
   ldtype, rdtype, varying = meta

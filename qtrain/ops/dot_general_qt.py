@@ -54,7 +54,7 @@ from qtrain.ops import dispatch
 from qtrain.ops.qt_operand import (as_key, as_scale, check_given_scale, check_operands,
                                    compute_dtype, finish_operand_grad, operand_axes,
                                    quantize_grad, quantize_mx_grad, quantize_operand, split_key,
-                                   typed_like_operands)
+                                   traced_once, typed_like_operands)
 
 
 # ----------------------------------------------------------------------------
@@ -353,6 +353,7 @@ def _channel_axes(ndim, contract, batch):
   return tuple(sorted(set(batch) | set(qdot.free_axes(ndim, contract, batch))))
 
 
+@traced_once(static_argnums=(4, 5, 6, 7))
 def _forward(lhs, rhs, lhs_scale, rhs_scale, dn, config, precision, out_dtype):
 
   (lc, rc), (lb, rb) = dn
@@ -379,6 +380,7 @@ def _fwd(lhs, rhs, lhs_scale, rhs_scale, kd, dn, config, precision, out_dtype, s
   return out, (lres, rres, kd)
 
 
+@traced_once(static_argnums=(0, 1, 2, 3, 4))
 def _bwd(dn, config, precision, out_dtype, shapes, res, g):
   lres, rres, kd = res
   (lshape, rshape, ldtype, rdtype, varying) = shapes

@@ -77,7 +77,7 @@ from qtrain.ops.dot_general_qt import _fold_exponent, _pow2
 from qtrain.ops.qt_operand import (OperandResidual, as_key, check_given_scale, check_operands,
                                    compute_dtype, finish_operand_grad, operand_axes,
                                    quantize_grad, quantize_operand, split_key,
-                                   typed_like_operands)
+                                   traced_once, typed_like_operands)
 
 # Where a ragged product can run (a subset of config.IMPLEMENTATIONS).
 IMPLEMENTATIONS: tuple[str, ...] = ("auto", "xla")
@@ -310,6 +310,7 @@ def _channelwise(oq):
   return oq if oq is None or oq.channelwise else dataclasses.replace(oq, channelwise=True)
 
 
+@traced_once(static_argnums=(5, 6, 7))
 def _forward(lhs, rhs, group_sizes, lhs_scale, rhs_scale, config, precision, out_dtype):
   lres, rres = _quantize(lhs, rhs, lhs_scale, rhs_scale, config)
   if config.lhs is None and config.rhs is None:
@@ -333,6 +334,7 @@ def _fwd(lhs, rhs, group_sizes, lhs_scale, rhs_scale, kd, config, precision, out
   return out, (lres, rres, group_sizes, kd)
 
 
+@traced_once(static_argnums=(0, 1, 2, 3))
 def _bwd(config, precision, out_dtype, shapes, res, g):
   lres, rres, group_sizes, kd = res
   lshape, rshape, ldtype, rdtype, varying = shapes

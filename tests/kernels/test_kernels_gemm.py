@@ -8,6 +8,7 @@ the kernel bit for bit against its reference over configs and output dtypes,
 """
 
 import importlib
+import math
 import zlib
 
 import jax
@@ -271,11 +272,13 @@ def test_backward_products_in_the_operand_dtype_give_the_same_gradients(monkeypa
     return real(*args, out_dtype=out_dtype, **kw)
 
   monkeypatch.setattr(dqt, "backward_product", spy)
+  jax.clear_caches()  # the ops trace once per signature: a cached trace would skip the spy
   shipped = grads()
   assert seen == ([jnp.dtype(jnp.float32)] if given_scale else [jnp.dtype(jnp.bfloat16)]) + [
       jnp.dtype(jnp.bfloat16)]
   monkeypatch.setattr(dqt, "backward_product",
                       lambda *a, out_dtype=None, **kw: real(*a, out_dtype=jnp.float32, **kw))
+  jax.clear_caches()
   forced = grads()
   for s, f in zip(shipped, forced):
     assert s.dtype == f.dtype == jnp.bfloat16
@@ -329,33 +332,38 @@ def _rel_err(out, a, b, sa, sb) -> float:
   return float(np.linalg.norm(np.asarray(out, np.float64) - exact) / np.linalg.norm(exact))
 
 
+def _fp8_acc_budget(k: int) -> float:
+  """Relative Frobenius error of a K-long fp8 wgmma sum of random-sign terms.
+
+  Hopper's fp8 tensor cores keep about 14 bits of each partial sum (DeepSeek-V3's
+  measurement; docs/findings.md "The Mosaic GEMM on fp8"), not float32's 24: K roundings
+  of about 2**-14 each, independent, grow like sqrt(K). A wrong tile, scale or order
+  errs by O(1)."""
+  return math.sqrt(k) * 2.0**-14
+
+
 @pytest.mark.gpu
 @_needs_hopper
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
 @pytest.mark.parametrize("cfg", ["default", "narrow", "deep_k"])
-def test_mosaic_gemm_gpu_fp8_errs_like_cublas(cfg, dtype):
-  # fp8 wgmma accumulates with fewer bits than float32 (Hopper's fp8 tensor cores; cuBLAS's
-  # error on XLA's fp8 GEMM is of the same kind, docs/findings.md "The Mosaic GEMM on fp8"), so
-  # the kernel is held to cuBLAS's own error against the float64 product: a wrong tile, scale
-  # or order errs by O(1).
+def test_mosaic_gemm_gpu_fp8_within_the_fp8_accumulator_budget(cfg, dtype):
   ks = jax.random.split(jax.random.key(zlib.crc32(cfg.encode())), 4)
   m, k, n = 512, 768, 1024
   a, b = _fp8_codes(ks[0], (m, k), dtype), _fp8_codes(ks[1], (n, k), dtype)
   sa, sb = _scales(ks[2], m), _scales(ks[3], n)
   gemm = lambda out_dtype: jax.jit(lambda a, b: mg.mosaic_gemm(
       a, b, a_scale=sa, b_scale=sb, out_dtype=out_dtype, config=GPU_CONFIGS[cfg]))(a, b)
-  cublas = _rel_err(jax.jit(lambda a, b: mg.mosaic_gemm_reference(
-      a, b, a_scale=sa, b_scale=sb, out_dtype=jnp.float32))(a, b), a, b, sa, sb)
-  assert cublas < 2.0**-8
-  assert _rel_err(gemm(jnp.float32), a, b, sa, sb) <= 2 * cublas
-  assert _rel_err(gemm(jnp.bfloat16), a, b, sa, sb) <= 2 * cublas + 2.0**-8
+  assert _rel_err(gemm(jnp.float32), a, b, sa, sb) <= _fp8_acc_budget(k)
+  assert _rel_err(gemm(jnp.bfloat16), a, b, sa, sb) <= _fp8_acc_budget(k) + 2.0**-8
 
 
 @pytest.mark.gpu
 @_needs_hopper
 def test_fp8_products_run_on_the_gemm_only_when_forced():
-  # "auto" leaves fp8 x fp8 on XLA (the same numbers as "xla"); "mosaic" runs it
-  x, w = _int8_qarrays(mosaic_backend.AUTO_GEMM_MIN_M, 384, 512, lhs_qtype="float8_e4m3fn",
+  # "auto" leaves fp8 x fp8 on XLA (the same numbers as "xla"); "mosaic" runs it, within the
+  # fp8 accumulator's budget (XLA's GEMM keeps more bits: docs/findings.md)
+  k = 384
+  x, w = _int8_qarrays(mosaic_backend.AUTO_GEMM_MIN_M, k, 512, lhs_qtype="float8_e4m3fn",
                        rhs_qtype="float8_e4m3fn")
   run = lambda impl: jax.jit(lambda x, w: dispatch.quantized_dot_general(
       x, w, DN, preferred_element_type=jnp.float32, implementation=impl))
@@ -363,7 +371,7 @@ def test_fp8_products_run_on_the_gemm_only_when_forced():
   assert "mosaic_gpu" in run("mosaic").lower(x, w).as_text()
   np.testing.assert_array_equal(np.asarray(run("auto")(x, w)), np.asarray(run("xla")(x, w)))
   args = (x.qvalue, w.qvalue.T, x.scale[:, 0], w.scale[0])
-  assert _rel_err(run("mosaic")(x, w), *args) <= 2 * _rel_err(run("xla")(x, w), *args)
+  assert _rel_err(run("mosaic")(x, w), *args) <= _fp8_acc_budget(k)
 
 
 @pytest.mark.gpu
@@ -397,6 +405,7 @@ def test_qt_gradients_on_the_gemm_equal_cublas(monkeypatch):
   text, on_gemm = run()
   assert text.count("mosaic_gpu") >= 3  # the forward and both backward products
   monkeypatch.setattr(mosaic_backend, "AUTO_GEMM_MIN_M", 1 << 62)
+  jax.clear_caches()  # the ops trace once per signature: retrace under the patch
   text, on_cublas = run()
   assert "mosaic_gpu" not in text
   for g, c in zip(jax.tree.leaves(on_gemm), jax.tree.leaves(on_cublas)):

@@ -136,6 +136,7 @@ def test_qt_dense_products_read_k_minor_operands(qtype, gq, monkeypatch):
   # path: the Mosaic int8 GEMM, which "auto" picks for large M on Hopper, is switched off.
   from qtrain.ops.backends import mosaic as mosaic_backend
   monkeypatch.setattr(mosaic_backend, "AUTO_GEMM_MIN_M", 1 << 62)
+  jax.clear_caches()  # the ops trace once per signature: retrace under the patch
   cfg = qops.DotGeneralQtConfig(lhs=qops.OperandQuant(qtype=qtype), rhs=qops.OperandQuant(qtype=qtype),
                               dlhs_grad=qops.GradQuant(qtype=gq, stochastic_rounding="uniform"),
                               drhs_grad=qops.GradQuant(qtype=gq, stochastic_rounding="uniform"))
