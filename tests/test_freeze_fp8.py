@@ -70,6 +70,7 @@ def _dense(wq, aq=None, *, n=48, k=64, dtype=None, **kw):
 
 
 @pytest.mark.parametrize("wq", FP8)
+@pytest.mark.thin(3)
 def test_codes_are_one_byte_each_and_scales_the_qt_ops(wq):
   model, provider, qmodel, v, x = _dense(wq)
   layer = freeze.freeze(v, provider)["layers"][""]
@@ -105,6 +106,7 @@ DENSE_CASES = [pytest.param(w, a, marks=pytest.mark.slow) if (w, a) == ("mxfp8",
 
 
 @pytest.mark.parametrize("wq,aq", DENSE_CASES)
+@pytest.mark.thin(3)
 def test_dense_frozen_equals_qt_forward(wq, aq):
   aq = wq if aq == "same" else aq
   for impl in ("auto", "xla"):
@@ -238,6 +240,7 @@ def test_input_gradient_is_the_float_products_through_the_dequantized_weight():
 
 
 @pytest.mark.parametrize("wq", FP8)
+@pytest.mark.slow
 def test_gpu_backends_decline_fp8_frozen_weights_with_a_reason(wq):
   model, provider, qmodel, v, x = _dense(wq, n=16, k=128)
   layer = freeze.freeze(v, provider)["layers"][""]

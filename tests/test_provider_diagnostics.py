@@ -122,6 +122,7 @@ class TestUnmatchedRules:
 
 class TestNoHookNoise:
 
+  @pytest.mark.slow
   def test_flax_layers_without_a_matmul_are_not_warned_about(self):
     # LayerNorm, BatchNorm, Dropout and Embed have no op to quantize: a '.*' rule is silent.
     with warnings.catch_warnings():

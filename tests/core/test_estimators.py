@@ -143,6 +143,7 @@ def test_clipped_ste_grad_of_the_absmax_element_passes():
 
 @pytest.mark.parametrize("shape,cw,tiles", _LAYOUTS)
 @pytest.mark.parametrize("qtype", list(S.QTYPES))
+@pytest.mark.thin(4)
 def test_clipped_ste_under_absmax_passes_every_element(qtype, shape, cw, tiles):
   x = _spread(shape, hash((qtype, shape)) % 2**32)
   q = _quantize(jnp.asarray(x), qarray.QuantizeSpec(
@@ -152,6 +153,7 @@ def test_clipped_ste_under_absmax_passes_every_element(qtype, shape, cw, tiles):
 
 @pytest.mark.parametrize("shape,cw,tiles", _LAYOUTS)
 @pytest.mark.parametrize("qtype", ["int8", "int4", "int2"])
+@pytest.mark.thin(4)
 def test_clipped_ste_under_minmax_passes_every_element(qtype, shape, cw, tiles):
   # The integer zero point shifts the grid by up to half a step against
   # [min, max]: the range's ends land in [qmin - 1/2, qmax + 1/2].
@@ -180,6 +182,7 @@ def _bound_case(name, x, cw, tiles):
 @pytest.mark.parametrize("cal", ["fixed", "fixed_x0.5", "p90", "absmean"])
 @pytest.mark.parametrize("qtype", ["int8", "int4", "ternary", "binary", "float8_e4m3fn"])
 @pytest.mark.parametrize("shape,cw,tiles", [((16, 64), (0,), {1: 16}), ((40, 48), (1,), {})])
+@pytest.mark.thin(4)
 def test_clipped_ste_masks_what_is_beyond_a_clipping_bound(qtype, shape, cw, tiles, cal):
   x = _rand(shape, 21)
   # Elements exactly at the bound (a fixed bound of 0.75 or 1.0) are inside.

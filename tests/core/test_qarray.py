@@ -127,6 +127,7 @@ def test_int_absmax_within_half_step(qtype, shape, cw, tiles):
 
 
 @pytest.mark.parametrize("shape,cw,tiles", LAYOUTS)
+@pytest.mark.thin(5)
 def test_binary_absmean_is_sign_times_group_mean(shape, cw, tiles):
   x = _rand(shape, 7)
   x.flat[::17] = 0.0  # sign(0) = +1
@@ -342,6 +343,7 @@ def _cal(method):
 
 
 @pytest.mark.parametrize("qtype,method", ZERO_CASES)
+@pytest.mark.thin(3)
 def test_all_zero_input_gives_finite_scales_and_exact_zeros(qtype, method):
   x = jnp.zeros((4, 64), jnp.float32)
   q = qarray.quantize(x, _spec(qtype, (0,), {1: 32}, _cal(method)))

@@ -35,6 +35,7 @@ def _data(dtype, seed: int, shape=(12, 16)) -> np.ndarray:
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("cw,tiles", LAYOUTS)
+@pytest.mark.thin(3)
 def test_16bit_input_scales_equal_the_float32_path_bit_for_bit(dtype, method, cw, tiles):
   cal = qarray.Calibration(method=method, **({"percentile": 99.0} if method == "percentile" else {}))
   spec = qarray.QuantizeSpec(qtype="int8", channelwise_axes=cw, tiled_axes=tiles, calibration=cal)

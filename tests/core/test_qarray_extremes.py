@@ -109,6 +109,7 @@ def ref_bound(name, g):
 
 @pytest.mark.parametrize("cw,tiles", LAYOUTS)
 @pytest.mark.parametrize("qtype,cal", CASES)
+@pytest.mark.thin(4)
 def test_finite_data_of_any_magnitude_give_finite_scales_and_values_within_budget(
     qtype, cal, cw, tiles):
   qt = qtypes.get_qtype(qtype)
@@ -291,6 +292,7 @@ def test_absmax_of_float32_max_comes_back_finite_and_exact(qtype):
 @pytest.mark.parametrize("size", [7, 4200, 65536])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("reduced_axis", [1, 0], ids=["rows", "columns"])
+@pytest.mark.thin(4)
 def test_nonfinite_value_in_a_large_group_makes_its_group_nan(method, size, bad, reduced_axis):
   """A max reduction does not carry NaN reliably (XLA's CPU reduce-max dropped it from 4200
   values): the group's NaN scale must come from the data, at any group size, whether the group

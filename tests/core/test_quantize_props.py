@@ -210,6 +210,7 @@ N_SR = 1 << 16
 
 @pytest.mark.parametrize("method", ["uniform", "low_bit_uniform", "low_bit_hash"])
 @pytest.mark.parametrize("qtype", S.QTYPES)
+@pytest.mark.thin(3)
 def test_stochastic_rounding_unbiased(qtype, method):
   """mean((q - y) / step) over N values y spread over the range is 0 within
   6 sigma (sigma^2 = sum p (1 - p) / N^2, p the probability of rounding up)

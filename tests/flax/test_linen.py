@@ -402,6 +402,7 @@ class TestState:
     p2 = optax.apply_updates(p, upd)
     assert float(p2["dot_general0_act_scale"]) != float(p["dot_general0_act_scale"])
 
+  @pytest.mark.slow
   def test_learned_scale_is_used(self):
     qm = qtrain.quantize_model(nn.Dense(8, use_bias=False), _rules(**W8A8, act_learnable_scale=True))
     v = jax.jit(qm.init)(jax.random.key(1), X)

@@ -262,6 +262,7 @@ class TestNnx:
         ("dot_general0", "quantized", "rhs")]
     assert isinstance(m.dot_general0, qtrain.QtOp)
 
+  @pytest.mark.slow
   def test_inner(self):
     m = NnxProduct("inner", nnx.Rngs(0))
     p = _provider(weight_qtype="int8", act_qtype="int8")

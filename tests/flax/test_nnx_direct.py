@@ -219,6 +219,7 @@ class TestSameAsLayers:
                                atol=1e-6)
     np.testing.assert_array_equal(y_stack, m.v[...] @ jnp.stack([h.T, h.T]))
 
+  @pytest.mark.slow
   def test_qwix_surface_quantizes_direct_calls_the_same(self):
     d, _ = _pair()
     rule = qwix.QtRule(module_path=".*", weight_qtype="int8", act_qtype="int8")
@@ -314,6 +315,7 @@ class TestTraining:
                                 lhs_scale=d.dot_general1.act_static_scale[...])
     np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
 
+  @pytest.mark.slow
   def test_summary_lists_the_direct_calls(self):
     d, _ = _pair()
     with warnings.catch_warnings():

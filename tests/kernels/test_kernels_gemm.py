@@ -151,6 +151,7 @@ def test_plan_gemm_gives_the_xla_paths_numbers(out_dtype, lhs_qtype):
 
 
 @pytest.mark.parametrize("qtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.slow
 def test_plan_gemm_takes_fp8_of_one_dtype(qtype):
   # fp8 x fp8 of one dtype (the fp8 forward): the plan keeps the codes' dtype, and through the
   # reference (float32 accumulation, the same epilogue order) gives the XLA path's product

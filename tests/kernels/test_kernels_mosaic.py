@@ -147,6 +147,7 @@ _ORDER_CASES = [(qt, lo, hi, order, act)
 
 
 @pytest.mark.parametrize("qtype,lo,hi,order,act", _ORDER_CASES)
+@pytest.mark.thin(3)
 def test_every_storage_order_gives_the_dot_on_both_paths(qtype, lo, hi, order, act):
   # Each order puts column sigma(kc) in every wgmma slot kc of either path (sigma the
   # identity where the order is laid out for the path's activations), and the
@@ -479,6 +480,7 @@ def test_plan_mosaic_takes_int8_activation_qarrays():
 @pytest.mark.parametrize("qtype,lo,hi,order", [(qt, lo, hi, order) for qt, lo, hi, order, act in _ORDER_CASES
                                                if order == act])
 @pytest.mark.parametrize("tiles", [None, (256, 256), (128, 512)])
+@pytest.mark.thin(2)
 def test_mosaic_weight_values_undo_the_storage_order(qtype, lo, hi, order, tiles):
   v = np.random.default_rng(13).integers(lo, hi, (300, 1000)).astype(np.int8)
   if qtype == "binary":

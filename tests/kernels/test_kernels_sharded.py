@@ -45,6 +45,7 @@ def test_gemm_sharded_along_m_and_n_computes_each_block_locally(run, case, spec)
   assert r["out_spec"] + [None] * (2 - len(r["out_spec"])) == spec
 
 
+@pytest.mark.slow  # the partitioner subprocesses (the module fixture): ~10 s each
 @pytest.mark.parametrize("case", ["k", "m_k"])
 def test_gemm_sharded_along_k_sums_partial_products(run, case):
   r = run[case]
@@ -53,16 +54,19 @@ def test_gemm_sharded_along_k_sums_partial_products(run, case):
   assert r["rel_err"] < 4 * 2.0 ** -24, r
 
 
+@pytest.mark.slow
 def test_transpose_keeps_every_axis_sharding(run):
   r = run["transpose"]
   assert r["equal"] and r["collectives"] == [] and r["out_spec"] == ["model", "data"], r
 
 
+@pytest.mark.slow
 def test_vmap_shard_map_and_one_device_run_the_kernel_function(run):
   assert run["vmap_equal"] and run["vmap_transpose_equal"]
   assert run["shard_map_equal"] and run["single_device_equal"]
 
 
+@pytest.mark.slow
 def test_call_sites_of_one_shard_signature_lower_the_kernel_once(run):
   # A Pallas kernel lowered at every site made an 8-block decoder compile 4x slower on 2 GPUs.
   r = run["sites"]

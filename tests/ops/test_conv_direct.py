@@ -77,6 +77,7 @@ QTYPES = {
 
 @pytest.mark.parametrize("qt", _cases(sorted(QTYPES), ("int8",)))  # binary: 8-11 s a case
 @pytest.mark.parametrize("case", _cases(sorted(GEOMETRIES), ("3x3_s2_pad", "nchw_dilated", "1d")))
+@pytest.mark.thin(3)
 def test_direct_forward_is_the_matrix_product_bit_for_bit(case, qt):
   p = _params(case)
   lq, rq = QTYPES[qt]
@@ -112,6 +113,7 @@ def test_direct_forward_takes_only_integer_codes_whose_scales_factor():
   assert not cg.direct_forward(lg, rg, pg)
 
 
+@pytest.mark.slow
 def test_direct_float_grads_are_the_unquantized_gradient_products_under_auto():
   p = _params("3x3_same")
   x, w = _operands("3x3_same", jnp.float32, seed=2)
@@ -140,6 +142,7 @@ FLOAT_CONFIGS = {
 @pytest.mark.parametrize("name", _cases(sorted(FLOAT_CONFIGS), ("w8a8", "weight_only_int8")))
 @pytest.mark.parametrize("case", _cases(["3x3_same", "3x3_s2_pad", "nchw_dilated", "lhs_dilated",
                                          "1d", "3d"], ("3x3_s2_pad", "lhs_dilated")))
+@pytest.mark.thin(8)
 def test_transposed_float_grads_match_the_patches(case, name, dtype):
   p = _params(case)
   lq, rq = FLOAT_CONFIGS[name]

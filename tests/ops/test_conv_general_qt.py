@@ -248,6 +248,7 @@ def test_float_backward_matches_fake_quant_ste_reference(case):
 
 
 @pytest.mark.parametrize("case", ["nhwc_same_int8", "nchw_groups2_int4w_a8"])
+@pytest.mark.thin(2)
 def test_int8_backward_within_budget(case):
   layout, xs, ws, *_, lq, rq = CASES[case]
   x, w = jnp.asarray(_rand(xs, 6)), jnp.asarray(_rand(ws, 7, 0.3))
@@ -588,6 +589,7 @@ CONV_POLICY_CASES = (
 
 
 @pytest.mark.parametrize("dtypes,lq,rq", CONV_POLICY_CASES)
+@pytest.mark.thin(4)
 def test_conv_dtype_policy_vs_float64(dtypes, lq, rq):
   geom, xs, ws = _geom("nhwc_same_int8")
   seed = zlib.crc32(f"{dtypes}/{lq}/{rq}".encode()) % 1000

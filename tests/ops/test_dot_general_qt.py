@@ -337,6 +337,7 @@ GRAD_CASES = ([("w8a8", l) for l in LAYOUTS] +
 
 
 @pytest.mark.parametrize("name,layout", GRAD_CASES)
+@pytest.mark.thin(5)
 def test_float_backward_matches_fake_quant_ste_reference(name, layout):
   dn, ls, rs = LAYOUTS[layout]
   lq, rq = CONFIGS[name]
@@ -387,6 +388,7 @@ def test_int8_backward_within_rounding_budget_2d():
 
 @pytest.mark.parametrize("name,layout", [("w8a8", l) for l in LAYOUTS] +
                          [("w4t32a8", "mab,abn"), ("fp8_e4m3", "bmk,bnk")])
+@pytest.mark.thin(3)
 def test_quantized_backward_any_layout_within_budget(name, layout):
   """Any layout, quantized backward vs the float-backward reference, in a layout-free
   form: relative Frobenius error <= 2^-6 (1.6%) for int8 gradients (per-channel int8
@@ -1006,6 +1008,7 @@ def test_dtype_policy_vs_float64(dtypes, lq, rq):
 
 @pytest.mark.parametrize("layout", list(POLICY_LAYOUTS))
 @pytest.mark.parametrize("side", ["lhs", "rhs"])
+@pytest.mark.thin(4)
 def test_bf16_times_quantized_bf16_every_layout(layout, side):
   """bf16 x a bf16-quantized operand runs on the CPU for every layout (the
   result is read back, so a runtime rejection of the dot cannot hide behind

@@ -85,6 +85,7 @@ QTYPES = ["int8", "int4", "float8_e4m3fn", "float8_e5m2"]
 
 @pytest.mark.parametrize("tile", [None, 16])
 @pytest.mark.parametrize("qt", QTYPES)
+@pytest.mark.thin(2)
 def test_forward_within_the_qtypes_rounding_budget(qt, tile):
   x, w, _ = _data()
   sizes = jnp.array(SIZES, jnp.int32)
@@ -103,6 +104,7 @@ def test_forward_within_the_qtypes_rounding_budget(qt, tile):
 
 @pytest.mark.parametrize("tile", [None, 16])
 @pytest.mark.parametrize("qt", ["int8", "int4", "float8_e4m3fn"])
+@pytest.mark.thin(2)
 def test_gradients_within_the_budget_of_weights_and_int8_gradients(qt, tile):
   """Straight-through gradients with int8 gradients (round to nearest): the error against the
   float64 gradient is at most the other operand's rounding times |g| plus the gradient's own

@@ -52,8 +52,8 @@ def _stack(op, x, ws, k):
   return jnp.sum(x * jnp.arange(x.size, dtype=x.dtype).reshape(x.shape))
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)  # 11 s on 2 CPU cores
-                                  if n == "conv_general_qt" else n for n in sorted(OPS)])
+@pytest.mark.slow  # 6-11 s each on 2 CPU cores (test_a_new_config_or_shape_traces_again is fast)
+@pytest.mark.parametrize("name", sorted(OPS))
 def test_same_shaped_layers_share_one_lowered_forward_and_backward(name, monkeypatch):
   op, xs, ws_shape = OPS[name]
   rng = np.random.default_rng(0)

@@ -1,0 +1,28 @@
+"""The ``thin`` marker: a parametrized grid keeps every ``keep``-th case in the fast suite.
+
+``@pytest.mark.thin(4)`` on a test marks all but every fourth of its collected cases
+``slow``, in collection order, so the cases kept spread over the grid. Every case still
+runs: the README's fast command runs the kept ones, ``.ci/run``'s slow step the rest.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the marks added here
+def pytest_collection_modifyitems(config, items):
+  seen: collections.Counter = collections.Counter()
+  for item in items:
+    mark = item.get_closest_marker("thin")
+    if mark is None or item.get_closest_marker("slow") is not None:
+      continue
+    keep = mark.args[0] if mark.args else None
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+      raise pytest.UsageError(f"{item.nodeid}: thin(keep) takes a positive int keep, got {keep!r}")
+    function = item.nodeid.split("[", 1)[0]
+    if seen[function] % keep:
+      item.add_marker(pytest.mark.slow)
+    seen[function] += 1
