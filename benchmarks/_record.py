@@ -20,7 +20,9 @@ Text outside the markers is left as it is.
 
 RESULTS.md holds GPU figures only: a run on another platform writes its record (by
 default to a temporary directory) and leaves RESULTS.md alone, and records whose
-platform is not "gpu" never enter a table.
+platform is not "gpu" never enter a table. Nor do runs made under ``XLA_FLAGS`` (kept in
+their record's ``meta["xla_flags"]``): the tables compare configs under XLA's defaults, and
+docs cite a flagged run by its record.
 
 On a machine whose ``benchmarks/`` does not come back (a lent GPU machine), run with
 ``--out-dir $OUT`` and add the records here afterwards, which also rebuilds the tables:
@@ -97,6 +99,8 @@ def run_meta(**extra) -> dict:
               device=dev.device_kind, platform=dev.platform, device_count=jax.device_count(),
               versions=_versions(), command="python3 " + shlex.join(sys.argv),
               git_commit=commit, git_dirty=None if dirty is None else bool(dirty))
+  if os.environ.get("XLA_FLAGS"):  # XLA's options change what a figure measures
+    meta["xla_flags"] = os.environ["XLA_FLAGS"]
   meta.update(extra)
   return meta
 
@@ -646,7 +650,8 @@ def render_results(results: str = RESULTS_MD, records_dir: str = RECORDS_DIR,
   """Rebuilds the named tables of ``results`` from the GPU records in ``records_dir``."""
   text = open(results).read() if os.path.exists(results) else "# Benchmark results\n"
   for name in benchmarks:
-    recs = [r for r in load_records(records_dir, name) if r["meta"].get("platform") == "gpu"]
+    recs = [r for r in load_records(records_dir, name)
+            if r["meta"].get("platform") == "gpu" and not r["meta"].get("xla_flags")]
     body = TABLES[name](recs) if recs else f"{_EMPTY[name]}\n\nNo GPU run yet."
     text = replace_section(text, name, body)
   with open(results, "w") as f:

@@ -91,7 +91,10 @@ def test_lm_table_renders_gpu_records(tmp_path):
   # A CPU record never enters the table.
   cpu = dict(_gpu_record(3, [_lm_row("qtrain_int8", 1.0, 1, 1.0)], "cpu run"))
   cpu["meta"] = dict(cpu["meta"], platform="cpu")
-  for name, rec in (("a.json", timing), ("b.json", loss), ("c.json", cpu)):
+  # Nor does a later run under XLA_FLAGS (the tables compare configs under XLA's defaults).
+  flagged = dict(_gpu_record(4, [_lm_row("qtrain_int8", 2.0, 1, 1.0)], "flagged run"))
+  flagged["meta"] = dict(flagged["meta"], xla_flags="--xla_gpu_enable_triton_gemm=false")
+  for name, rec in (("a.json", timing), ("b.json", loss), ("c.json", cpu), ("d.json", flagged)):
     (records / name).write_text(json.dumps(rec))
   results = tmp_path / "RESULTS.md"
   results.write_text("# Results\n\nintro\n")
@@ -113,6 +116,7 @@ def test_lm_table_renders_gpu_records(tmp_path):
   assert "### d_model = 2048, seq 2048: layers 4, heads 16, batch 8 (16,384 tokens per step), " \
          "attention cudnn" in text
   assert "**lm1**" in text and "**lm2**" in text and "cpu run" not in text
+  assert "flagged run" not in text
 
 
 def test_lm_table_without_gpu_records_says_so(tmp_path):
