@@ -1,8 +1,10 @@
 """The ``thin`` marker: a parametrized grid keeps every ``keep``-th case in the fast suite.
 
-``@pytest.mark.thin(4)`` on a test marks all but every fourth of its collected cases
-``slow``, in collection order, so the cases kept spread over the grid. Every case still
-runs: the README's fast command runs the kept ones, ``.ci/run``'s slow step the rest.
+``@pytest.mark.thin(4)`` on a test marks all but one in four of its collected cases
+``slow``: of each run of ``keep`` consecutive cases one stays, at a position that moves on by
+one from run to run, so the cases kept spread over every axis of the grid (a fixed stride
+equal to an axis's length would keep one value of that axis only). Every case still runs:
+the README's fast command runs the kept ones, ``.ci/run``'s slow step the rest.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def pytest_collection_modifyitems(config, items):
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
       raise pytest.UsageError(f"{item.nodeid}: thin(keep) takes a positive int keep, got {keep!r}")
     function = item.nodeid.split("[", 1)[0]
-    if seen[function] % keep:
+    i = seen[function]
+    if i % keep != (i // keep) % keep:
       item.add_marker(pytest.mark.slow)
     seen[function] += 1

@@ -47,11 +47,10 @@ def _check_projections(weight_scales, records):
   # contracts (heads, head_dim) = (4, 32), merged to one 128-long axis: 2 tiles per column too.
   # (Under a trace the op quantizes once per signature: q, k and v share one trace.)
   assert set(weight_scales) == {((D, HEADS, D // HEADS), (2, HEADS, D // HEADS)), ((D, D), (2, D))}
-  got = {r.path.rsplit("/", 1)[-1]: (r.status, r.shapes[1]) for r in records
-         if r.status == "quantized"}  # (the attention's own einsums have no weight)
+  quantized = {r.path.rsplit("/", 1)[-1]: r.shapes[1] for r in records
+               if r.status == "quantized"}  # (the attention's own einsums have no weight)
   qkv = (D, HEADS, D // HEADS)
-  assert got == {"query": ("quantized", qkv), "key": ("quantized", qkv),
-                 "value": ("quantized", qkv), "out": ("quantized", (HEADS, D // HEADS, D))}, got
+  assert quantized == {"query": qkv, "key": qkv, "value": qkv, "out": (HEADS, D // HEADS, D)}
 
 
 def _reference_out(z, kernel, bias):

@@ -35,15 +35,25 @@ def _run(pytester, keep, *args):
   return pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider", "-p", "no:xdist", *args)
 
 
-def test_every_keep_th_case_stays_fast_and_the_rest_are_slow(pytester):
+def _kept(result) -> list[str]:
+  return [line.split("::", 1)[1] for line in result.outlines if "::test_" in line]
+
+
+def test_one_case_in_keep_stays_fast_and_the_rest_are_slow(pytester):
   fast = _run(pytester, 4, "-m", "not slow", "--co")
-  kept = [line for line in fast.outlines if "::test_" in line]
-  assert kept == ["test_every_keep_th_case_stays_fast_and_the_rest_are_slow.py::test_grid[0-0]",
-                  "test_every_keep_th_case_stays_fast_and_the_rest_are_slow.py::test_grid[1-1]",
-                  "test_every_keep_th_case_stays_fast_and_the_rest_are_slow.py::test_grid[2-2]",
-                  "test_every_keep_th_case_stays_fast_and_the_rest_are_slow.py::test_plain"]
+  # Of the 3 x 3 grid's runs of 4 cases (0-3, 4-7, 8) the first keeps its first, the second
+  # its second; the third is too short to reach its third.
+  assert _kept(fast) == ["test_grid[0-0]", "test_grid[1-2]", "test_plain"]
   slow = _run(pytester, 4, "-m", "slow")
-  slow.assert_outcomes(passed=6 + 2)  # the grid's other 6 and the slow test's 2: every case runs
+  slow.assert_outcomes(passed=7 + 2)  # the grid's other 7 and the slow test's 2: every case runs
+
+
+def test_a_keep_equal_to_an_axis_length_still_spreads_over_that_axis(pytester):
+  # A fixed stride of 3 over a 3 x 3 grid would keep b == 0 only; the moving position keeps
+  # the diagonal: each value of each axis once.
+  fast = _run(pytester, 3, "-m", "not slow", "--co")
+  assert _kept(fast) == ["test_grid[0-0]", "test_grid[1-1]", "test_grid[2-2]", "test_plain"]
+  _run(pytester, 3, "-m", "slow").assert_outcomes(passed=6 + 2)
 
 
 @pytest.mark.parametrize("keep", ["0", "'4'", "True"])

@@ -330,15 +330,14 @@ def traced_once(*, static_argnums: tuple[int, ...]):
   registry, device count): a test that patches such a module attribute clears the cache
   first (``jax.clear_caches()``). ``.traced`` is the ``jax.jit`` function.
   """
-  static = frozenset(static_argnums)
 
   def wrap(fn):
     traced = jax.jit(fn, static_argnums=static_argnums)
 
     @functools.wraps(fn)
     def call(*args):
-      dynamic = [a for i, a in enumerate(args) if i not in static]
-      if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(dynamic)):
+      # (The static arguments are hashable configs and shapes: never tracers.)
+      if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args)):
         return traced(*args)
       return fn(*args)
 
