@@ -246,13 +246,22 @@ def step_anchor(d: int, t: int, config: str) -> str:
   return f"s-d{d}-t{t}-{slug(config)}"
 
 
-def lm_anchor(d: int, seq: int, config: str) -> str:
-  """The anchor of a language-model row (``RESULTS.md#<anchor>``).
+def lm_anchor(d: int, seq: int, config: str, embedding: str = "take") -> str:
+  """The anchor of a language-model row (``RESULTS.md#<anchor>``); rows of the one-hot
+  embedding's sections name it.
 
   >>> lm_anchor(2048, 2048, "qtrain_int8")
   'lm-d2048-s2048-qtrain-int8'
+  >>> lm_anchor(2048, 2048, "qtrain_int8", "onehot")
+  'lm-d2048-s2048-onehot-qtrain-int8'
   """
-  return f"lm-d{d}-s{seq}-{slug(config)}"
+  emb = "" if embedding == "take" else f"{embedding}-"
+  return f"lm-d{d}-s{seq}-{emb}{slug(config)}"
+
+
+def _lm_embedding(row: dict) -> str:
+  """A language-model row's token-embedding lookup (rows before the option: ``take``)."""
+  return row.get("embedding", "take")
 
 
 def _anchor(name: str) -> str:
@@ -445,7 +454,7 @@ def _sections(latest: dict, config_order: tuple[str, ...]) -> list[tuple[tuple, 
 def render_lm_step(recs: list[dict]) -> str:
   """The language-model table: one row per (d_model, seq, config), from its latest run; the
   loss from the latest run that measured one (the accuracy mode)."""
-  case = lambda r: (r["d_model"], r["seq"], r["config"])
+  case = lambda r: (r["d_model"], (r["seq"], _lm_embedding(r)), r["config"])
   latest = _latest(recs, case)
   losses = {}
   for rec in recs:  # oldest first: later runs overwrite
@@ -462,15 +471,17 @@ def render_lm_step(recs: list[dict]) -> str:
            "accuracy-mode run (linked where that is not the row's run). The run's command is in "
            "the list under the table.", ""]
   used = {}
-  for (d, seq), cases in _sections(latest, _LM_ORDER):
-    lines += [f"### d_model = {d}, seq {seq}: {_lm_shape([latest[c][0] for c in cases])}", "",
+  for (d, (seq, emb)), cases in _sections(latest, _LM_ORDER):
+    lines += [f"### d_model = {d}, seq {seq}: {_lm_shape([latest[c][0] for c in cases])}, "
+              f"embedding {emb}", "",
               "| config | ms/step | tokens/s | vs bf16 | peak GiB | vs bf16 | compile s | vs bf16 | "
               "loss | run | date | device | jax |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
       row, rec = latest[c]
       used[rec["seq"]] = rec
-      base = next((r for r in rec["rows"] if case(r) == (d, seq, "bf16") and r.get("error") is None
+      base = next((r for r in rec["rows"] if case(r) == (d, (seq, emb), "bf16")
+                   and r.get("error") is None
                    and r.get("ms")), None)
       ratio = lambda field, inverse=False: "" if base is None or not base.get(field) or \
           row.get(field) is None else _x(base[field] / row[field] if inverse else
@@ -480,7 +491,7 @@ def render_lm_step(recs: list[dict]) -> str:
         lrow, lrec = losses[c]
         used[lrec["seq"]] = lrec
         loss = _lm_loss(lrow, lrec, rec)
-      lines.append(f"| {_anchor(lm_anchor(d, seq, row['config']))}{row['config']} | "
+      lines.append(f"| {_anchor(lm_anchor(d, seq, row['config'], emb))}{row['config']} | "
                    f"{row['ms']:.2f} | {row['tokens_per_s']:,.0f} | {ratio('ms', True)} | "
                    f"{_gib(row.get('mem_bytes'))} | {ratio('mem_bytes')} | {row['compile_s']:.1f} | "
                    f"{ratio('compile_s')} | {loss} | {_run_cells('lm', rec)} |")

@@ -1,6 +1,7 @@
 """Language-model training benchmark: a GPT-style byte-level decoder, bf16 vs quantized training.
 
-The model (linen, flax's own layers): token embedding (``nn.Embed``, vocab 256: bytes) plus a
+The model (linen, flax's own layers): token embedding (vocab 256: bytes; ``nn.Embed``'s
+parameter, looked up as a product of one-hot rows with it unless ``--embedding take``) plus a
 learned position embedding, ``L`` pre-LayerNorm blocks of ``nn.MultiHeadDotProductAttention``
 (causal, head dim 128, biases) and an MLP ``Dense(d -> 4d) -> gelu -> Dense(4d -> d)``, a
 final LayerNorm and a ``Dense(d -> 256)`` head. bf16 activations and parameters (initialised
@@ -203,17 +204,36 @@ class Block(nn.Module):
     return x + nn.Dense(self.width, dtype=bf16, name="mlp_down")(h)
 
 
+class OneHotEmbed(nn.Embed):
+  """``nn.Embed`` (same parameter) whose lookup is a product of one-hot rows with the table.
+
+  The lookup is exact (one nonzero term per output); its gradient is a (vocab x tokens) x
+  (tokens x d_model) GEMM, where ``nn.Embed``'s take has a scatter-add of every token's row
+  into the table. With 256 byte values, 16,384 rows contending for 256 entries made that
+  scatter-add 6.4-7.7 ms of every config's step at d_model 2048 on an H200.
+  """
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    table = jnp.asarray(self.embedding, self.dtype)
+    return jnp.dot(jax.nn.one_hot(inputs, self.num_embeddings, dtype=table.dtype), table,
+                   preferred_element_type=jnp.float32).astype(table.dtype)
+
+
+EMBEDDINGS = {"onehot": OneHotEmbed, "take": nn.Embed}
+
+
 class Decoder(nn.Module):
   width: int
   layers: int
   heads: int
   seq: int
   attention: str
+  embedding: str = "take"  # a key of EMBEDDINGS
 
   @nn.compact
   def __call__(self, tokens):
     bf16 = jnp.bfloat16
-    x = nn.Embed(VOCAB, self.width, dtype=bf16, name="embed")(tokens)
+    x = EMBEDDINGS[self.embedding](VOCAB, self.width, dtype=bf16, name="embed")(tokens)
     x = x + nn.Embed(self.seq, self.width, dtype=bf16, name="pos")(jnp.arange(tokens.shape[1]))
     for i in range(self.layers):
       x = Block(self.width, self.heads, self.attention, name=f"block_{i}")(x)
@@ -230,13 +250,15 @@ class Shape:
   seq: int
   batch: int
   attention: str
+  embedding: str = "take"
 
   @property
   def tokens(self) -> int:
     return self.batch * self.seq
 
   def decoder(self) -> Decoder:
-    return Decoder(self.width, self.layers, self.heads, self.seq, self.attention)
+    return Decoder(self.width, self.layers, self.heads, self.seq, self.attention,
+                   self.embedding)
 
 
 def build(name: str, shape: Shape) -> tuple[nn.Module, str | None]:
@@ -582,6 +604,9 @@ def add_model_arguments(ap: argparse.ArgumentParser, *, widths: str) -> None:
                   help="flax: flax's dot_product_attention; cudnn / xla: jax.nn."
                        "dot_product_attention as flax's attention_fn; auto: cudnn on a GPU, "
                        "flax elsewhere")
+  ap.add_argument("--embedding", default="onehot", choices=tuple(EMBEDDINGS),
+                  help="the token embedding's lookup: onehot (a one-hot product: its gradient "
+                       "is a GEMM) or take (nn.Embed: its gradient a scatter-add)")
   ap.add_argument("--steps", type=int, default=10, help="timed steps inside one jit")
   ap.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
   ap.add_argument("--text", default=None,
@@ -633,7 +658,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
   rec = _record.Recorder("lm_step", dict(
       widths=widths, layers=dict(zip(map(str, widths), layers)), head_dim=args.head_dim,
       seq=args.seq, batch=args.batch, tokens_per_step=args.seq * args.batch,
-      attention=args.attention, steps=args.steps, repeats=args.repeats,
+      attention=args.attention, embedding=args.embedding, steps=args.steps, repeats=args.repeats,
       optimizer=plan.optim.describe(), text=text.source, text_bytes=text.nbytes,
       text_sha256=text.sha256, loss_steps=args.loss_steps if args.loss_seeds else None,
       loss_seeds=args.loss_seeds, eval_windows=plan.eval_windows if args.loss_seeds else None,
@@ -644,7 +669,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
   rows: list[dict] = []
   for w, n_layers, n_heads in zip(widths, layers, heads):
     shape = Shape(width=w, layers=n_layers, heads=n_heads, seq=args.seq, batch=args.batch,
-                  attention=attention[w])
+                  attention=attention[w], embedding=args.embedding)
     inits = functools.lru_cache(maxsize=None)(functools.partial(init_params, shape))
     base = None
     for name in names:
@@ -652,7 +677,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"{name} d={w}: not started, --budget-s {args.budget_s:g} spent", flush=True)
         continue
       row = dict(config=name, d_model=w, layers=n_layers, heads=n_heads, seq=args.seq,
-                 batch=args.batch, tokens_per_step=shape.tokens, attention=shape.attention)
+                 batch=args.batch, tokens_per_step=shape.tokens, attention=shape.attention,
+                 embedding=shape.embedding)
       if name.startswith("qwix") and skip_qwix:
         print(f"{name} d={w}: skipped: {skip_qwix}", flush=True)
         rows.append(dict(row, ms=None, error=f"skipped: {skip_qwix}"))

@@ -49,7 +49,11 @@ CONFIGS = {
     "qtrain_int8": "w8a8, int8 gradients, uniform SR",
     "qtrain_int8_kernel": "qtrain_int8_lowbit forced onto the Pallas-Triton int8 kernel",
     "qtrain_int8_fwd": "w8a8 forward, float backward",
+    "qtrain_int8_hash_fixed": "qtrain_int8_hash with each activation's scale per tensor from a "
+                              "fixed bound (fixed,8): no reduction before its quantization",
     "qtrain_fp8_nosr": "e4m3 forward, e5m2 gradients, round to nearest",
+    "qtrain_fp8_nosr_fixed": "qtrain_fp8_nosr with weights per tensor (absmax) and each "
+                             "activation's scale per tensor from a fixed bound (fixed,8)",
     "qtrain_fp8_nosr_xla": "qtrain_fp8_nosr with implementation='xla' (layouts left to XLA)",
     "qtrain_fp8_lowbit": "e4m3 forward, e5m2 gradients, low_bit_uniform SR",
     "qtrain_fp8_hash": "e4m3 forward, e5m2 gradients, low_bit_hash SR",
@@ -88,8 +92,21 @@ class MLP(nn.Module):
     return x
 
 
+# *_fixed: a constant activation scale, so its quantization is elementwise and XLA can fuse it
+# into the activation's producer: the speed a delayed (previous-step) scale would have, less the
+# amax pass that keeps such a scale current.
+_FIXED_ACT = dict(act_granularity="per_tensor", act_calibration_method="fixed,8")
+
+
 def qtrain_rules(name: str):
   common = dict(module_path=r".*")
+  if name == "qtrain_int8_hash_fixed":
+    return [qtrain.QtRule(**common, weight_qtype="int8", act_qtype="int8", bwd_qtype="int8",
+                          bwd_stochastic_rounding="low_bit_hash", **_FIXED_ACT)]
+  if name == "qtrain_fp8_nosr_fixed":
+    return [qtrain.QtRule(**common, weight_qtype="float8_e4m3fn", act_qtype="float8_e4m3fn",
+                          bwd_qtype="float8_e5m2", weight_granularity="per_tensor",
+                          **_FIXED_ACT)]
   if name in ("qtrain_int8", "qtrain_int8_lowbit", "qtrain_int8_hash", "qtrain_int8_kernel",
               "qtrain_int8_cublas"):
     # _lowbit: 8-bit stochastic-rounding noise (a quarter of the PRNG work); _hash: the same
