@@ -119,6 +119,65 @@ def test_lm_table_renders_gpu_records(tmp_path):
   assert "flagged run" not in text
 
 
+def test_lm_table_keys_sections_by_embedding(tmp_path):
+  """A one-hot-embedding run gets its own section and anchors; each row's ratio is against the
+  bf16 of its own embedding (records before the option count as ``take``)."""
+  records = tmp_path / "records"
+  records.mkdir()
+  take = _gpu_record(1, [_lm_row("bf16", 100.0, 40 << 30, 20.0),
+                         _lm_row("qtrain_int8", 80.0, 40 << 30, 40.0)], "take run")
+  onehot = _gpu_record(2, [_lm_row("bf16", 90.0, 40 << 30, 20.0, embedding="onehot"),
+                           _lm_row("qtrain_int8", 60.0, 40 << 30, 30.0, embedding="onehot")],
+                       "onehot run")
+  for name, rec in (("a.json", take), ("b.json", onehot)):
+    (records / name).write_text(json.dumps(rec))
+  results = tmp_path / "RESULTS.md"
+  results.write_text("# Results\n")
+  _record.render_results(str(results), str(records), ["lm_step"])
+  lines = results.read_text().splitlines()
+  heads = [l for l in lines if l.startswith("### d_model = 2048")]
+  assert [h.rsplit(", ", 1)[-1] for h in heads] == ["embedding onehot", "embedding take"]
+  row = lambda anchor: next(l for l in lines if f'id="{anchor}"' in l)
+  assert "| 1.50x |" in row("lm-d2048-s2048-onehot-qtrain-int8")  # 90 / 60
+  assert "| 1.25x |" in row("lm-d2048-s2048-qtrain-int8")  # 100 / 80
+  assert "| 90.00 |" in row("lm-d2048-s2048-onehot-bf16") and "| 100.00 |" in row("lm-d2048-s2048-bf16")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_onehot_embedding_is_nn_embeds_lookup(dtype):
+  """The one-hot product looks up exactly ``nn.Embed``'s rows (extreme magnitudes, every byte
+  value, an empty batch); its table gradient is the float64 sum of each row's output
+  gradients, to float32 accumulation and the dtype's rounding."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from benchmarks import lm_step
+  dt = jnp.dtype(dtype)
+  rng = np.random.default_rng(0)
+  table = rng.standard_normal((lm_step.VOCAB, 16)) * 10.0 ** rng.integers(-30, 30, (lm_step.VOCAB, 1))
+  params = {"params": {"embedding": jnp.asarray(table, dt)}}
+  tokens = jnp.asarray(np.concatenate([np.arange(256), rng.integers(0, 256, 700)]).reshape(4, -1))
+  ref_mod, mod = (nn.Embed(lm_step.VOCAB, 16, dtype=dt), lm_step.OneHotEmbed(lm_step.VOCAB, 16, dtype=dt))
+  got, want = mod.apply(params, tokens), ref_mod.apply(params, tokens)
+  assert got.dtype == want.dtype == dt
+  np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
+  assert mod.apply(params, jnp.zeros((2, 0), jnp.int32)).shape == (2, 0, 16)
+
+  cot = jnp.asarray(rng.standard_normal((*tokens.shape, 16)), dt)
+  grad = jax.grad(lambda p: jnp.vdot(mod.apply(p, tokens).astype(jnp.float32),
+                                     cot.astype(jnp.float32)))(params)["params"]["embedding"]
+  c64 = np.asarray(cot, np.float64).reshape(-1, 16)
+  ref = np.zeros((lm_step.VOCAB, 16))
+  np.add.at(ref, np.asarray(tokens).reshape(-1), c64)
+  mag = np.zeros((lm_step.VOCAB, 16))
+  np.add.at(mag, np.asarray(tokens).reshape(-1), np.abs(c64))
+  n = np.bincount(np.asarray(tokens).reshape(-1), minlength=lm_step.VOCAB)[:, None]
+  budget = n * np.finfo(np.float32).eps * mag + float(jnp.finfo(dt).eps) * np.abs(ref)
+  err = np.abs(np.asarray(grad, np.float64) - ref)
+  assert (err <= budget).all(), float((err / np.maximum(budget, 1e-300)).max())
+
+
 def test_lm_table_without_gpu_records_says_so(tmp_path):
   results = tmp_path / "RESULTS.md"
   results.write_text("# Results\n")
