@@ -414,7 +414,7 @@ def render_train_step(recs: list[dict]) -> str:
 
 
 _LM_ORDER = ("bf16", "qtrain_int8", "qtrain_int8_hash", "qwix_int8", "qtrain_fp8", "qwix_fp8", "qtrain_int4w",
-             "qtrain_w1a8")
+             "qtrain_int4w_hash", "qtrain_w1a8", "qtrain_w1a8_hash")
 
 
 def _gib(v) -> str:

@@ -27,6 +27,7 @@ the loss. The configs (``CONFIGS``):
                 low_bit_uniform SR: with int8 activations the products run as int8 x int8 on
                 the tensor cores (bf16 activations would dequantize the weight into a bf16
                 GEMM, no faster than bf16); qtrain supports both
+  qtrain_w1a8_hash, qtrain_int4w_hash  the same with low_bit_hash SR
   qwix_int8     qwix: w8a8, int8 gradients, uniform SR (train_step.py's qwix_int8)
   qwix_fp8      qwix: e4m3 forward, e5m2 gradients, round to nearest (train_step's qwix_fp8)
 
@@ -113,6 +114,8 @@ CONFIGS = {
     "qtrain_fp8": "e4m3 forward, e5m2 gradients, low_bit_uniform SR",
     "qtrain_w1a8": "binary weights (absmean), int8 activations, int8 gradients, low_bit_uniform SR",
     "qtrain_int4w": "int4 weights (per channel), int8 activations, int8 gradients, low_bit_uniform SR",
+    "qtrain_w1a8_hash": "qtrain_w1a8 with low_bit_hash SR",
+    "qtrain_int4w_hash": "qtrain_int4w with low_bit_hash SR",
     "qwix_int8": "qwix: w8a8, int8 gradients, uniform SR",
     "qwix_fp8": "qwix: e4m3 forward, e5m2 gradients (qwix has no SR for fp8)",
 }
@@ -132,15 +135,17 @@ def qtrain_rules(name: str) -> list[qtrain.QtRule]:
   if name == "qtrain_fp8":
     return [qtrain.QtRule(**_BLOCKS, weight_qtype="float8_e4m3fn", act_qtype="float8_e4m3fn",
                           bwd_qtype="float8_e5m2", bwd_stochastic_rounding="low_bit_uniform")]
-  if name == "qtrain_w1a8":
+  grads = (dict(_INT8_GRADS, bwd_stochastic_rounding="low_bit_hash") if name.endswith("_hash")
+           else _INT8_GRADS)
+  if name in ("qtrain_w1a8", "qtrain_w1a8_hash"):
     # absmean: the scale that minimises the binary weight's L2 error (XNOR-Net); absmax
     # would scale every sign to the row's largest weight.
     return [qtrain.QtRule(**_BLOCKS, weight_qtype="binary", weight_calibration_method="absmean",
-                          act_qtype="int8", **_INT8_GRADS)]
-  if name == "qtrain_int4w":
+                          act_qtype="int8", **grads)]
+  if name in ("qtrain_int4w", "qtrain_int4w_hash"):
     # Per channel, not tiled: 'auto' sends integer products with per-row x per-column scales
     # to the int8 GEMM (the Mosaic GEMM on Hopper); a tiled weight would stay on XLA.
-    return [qtrain.QtRule(**_BLOCKS, weight_qtype="int4", act_qtype="int8", **_INT8_GRADS)]
+    return [qtrain.QtRule(**_BLOCKS, weight_qtype="int4", act_qtype="int8", **grads)]
   raise ValueError(name)
 
 
