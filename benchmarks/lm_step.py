@@ -214,11 +214,14 @@ class OneHotEmbed(nn.Embed):
 
   The lookup is exact (one nonzero term per output); its gradient is a (vocab x tokens) x
   (tokens x d_model) GEMM, where ``nn.Embed``'s take has a scatter-add of every token's row
-  into the table. With 256 byte values, 16,384 rows contending for 256 entries made that
-  scatter-add 6.4-7.7 ms of every config's step at d_model 2048 on an H200.
+  into the table. With 256 byte values, 16,384 rows contend for 256 entries: at d_model 2048 on
+  an H200 that scatter-add took 6.4-7.7 ms of every config's step, and this lookup took bf16's
+  step from 43.98 to 38.4-39.4 ms.
   """
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError(f"OneHotEmbed: token ids must be integers, got dtype {inputs.dtype}")
     table = jnp.asarray(self.embedding, self.dtype)
     return jnp.dot(jax.nn.one_hot(inputs, self.num_embeddings, dtype=table.dtype), table,
                    preferred_element_type=jnp.float32).astype(table.dtype)

@@ -163,6 +163,8 @@ def test_onehot_embedding_is_nn_embeds_lookup(dtype):
   assert got.dtype == want.dtype == dt
   np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
   assert mod.apply(params, jnp.zeros((2, 0), jnp.int32)).shape == (2, 0, 16)
+  with pytest.raises(ValueError, match="token ids must be integers, got dtype float32"):
+    mod.apply(params, tokens.astype(jnp.float32))
 
   cot = jnp.asarray(rng.standard_normal((*tokens.shape, 16)), dt)
   grad = jax.grad(lambda p: jnp.vdot(mod.apply(p, tokens).astype(jnp.float32),
