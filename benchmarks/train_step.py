@@ -100,13 +100,9 @@ _FIXED_ACT = dict(act_granularity="per_tensor", act_calibration_method="fixed,8"
 
 def qtrain_rules(name: str):
   common = dict(module_path=r".*")
-  if name == "qtrain_int8_hash_fixed":
-    return [qtrain.QtRule(**common, weight_qtype="int8", act_qtype="int8", bwd_qtype="int8",
-                          bwd_stochastic_rounding="low_bit_hash", **_FIXED_ACT)]
-  if name == "qtrain_fp8_nosr_fixed":
-    return [qtrain.QtRule(**common, weight_qtype="float8_e4m3fn", act_qtype="float8_e4m3fn",
-                          bwd_qtype="float8_e5m2", weight_granularity="per_tensor",
-                          **_FIXED_ACT)]
+  if name.endswith("_fixed"):  # its twin's rule with the constant activation scale
+    fp8 = dict(weight_granularity="per_tensor") if "fp8" in name else {}
+    return [dataclasses.replace(r, **_FIXED_ACT, **fp8) for r in qtrain_rules(name[:-len("_fixed")])]
   if name in ("qtrain_int8", "qtrain_int8_lowbit", "qtrain_int8_hash", "qtrain_int8_kernel",
               "qtrain_int8_cublas"):
     # _lowbit: 8-bit stochastic-rounding noise (a quarter of the PRNG work); _hash: the same
