@@ -283,9 +283,13 @@ def _grad_pair(g, lres, rres, dn, config, k_l, k_r):
   on one device (the kernel has no per-shard rule), with a kernel implementation ("auto" on a
   CUDA lowering, "triton", "mosaic", or "interpret" in the Pallas interpreter).
 
-  Returns, per backward product, ``(quantized g, folded residual, dimension numbers, output
-  permutation)`` for :func:`_backward_dot`: the input gradient's ``g`` in ``g``'s shape; the
-  weight gradient's transposed to (rhs free..., lhs free...), the layout its GEMM reads.
+  Returns, per backward product, ``(lhs, rhs, dimension numbers, output permutation)`` for
+  :func:`_backward_dot`: the input gradient's ``(g, folded rhs residual)``, ``g`` in its own
+  shape; the weight gradient's ``(folded lhs residual, g)``, ``g`` transposed to
+  (rhs free..., lhs free...), the layout its GEMM reads. The weight gradient is ``x.T @ g``
+  rather than ``g.T @ x`` (the same two operands in the same layouts): its GEMM then writes
+  it in the weight's own (K, N) layout, where ``g.T @ x`` wrote (N, K) and XLA carried the
+  transpose into the training loop's weights and optimizer state.
   """
   impl = config.implementation
   (lc, rc), (lb, rb) = dn
@@ -338,11 +342,16 @@ def _grad_pair(g, lres, rres, dn, config, k_l, k_r):
   g_l = qa.QArray(qvalue=c_l.reshape(shape), scale=sc_l, zero_point=None, qtype=qt)
   g_rt = qa.QArray(qvalue=c_rt.reshape(shape[nl:] + shape[:nl]), scale=sc_r, zero_point=None,
                    qtype=qt)
-  # g_rt holds g's rhs-free axes first: the weight gradient contracts its trailing lhs-free
-  # axes with the lhs residual's free axes (in order); its output layout is the one
-  # transpose_dims gives for g (rhs-free axes, then the lhs contracting axes), so perm_r holds.
-  dims_rt = ((tuple(range(len(shape) - nl, len(shape))), dims_r[0][1]), ((), ()))
-  return (g_l, y_l, dims_l, perm_l), (g_rt, y_r, dims_rt, perm_r)
+  # g_rt holds g's rhs-free axes first: the weight gradient contracts the lhs residual's free
+  # axes with g_rt's trailing (lhs-free) axes, in order. Its output holds the residual's
+  # contracting axes, then g's rhs-free ones: transpose_dims' layout for g (rhs-free axes,
+  # then those contracting axes) with the two groups swapped, so the permutation is perm_r
+  # read through that swap.
+  n_free, n_contract = len(shape) - nl, len(lc)
+  dims_xg = ((dims_r[0][1], tuple(range(n_free, len(shape)))), ((), ()))
+  swap = tuple(range(n_contract, n_contract + n_free)) + tuple(range(n_contract))
+  perm_xg = tuple(swap[p] for p in perm_r)
+  return (g_l, y_l, dims_l, perm_l), (y_r, g_rt, dims_xg, perm_xg)
 
 
 # ----------------------------------------------------------------------------
@@ -400,11 +409,12 @@ def _bwd(dn, config, precision, out_dtype, shapes, res, g):
                                gq=config.drhs_grad, key=k_r, implementation=config.implementation,
                                x_shape=rshape, out_dtype=bar_dtype(rres, rdtype), y_dtype=ldtype)
   else:
-    (g_l, y_l, dims_l, perm_l), (g_rt, y_r, dims_rt, perm_r) = pair
+    (g_l, y_l, dims_l, perm_l), (x_r, g_rt, dims_xg, perm_xg) = pair
     lhs_bar = _backward_dot(g_l, y_l, dims_l, perm_l, g_dtype=g.dtype, y_dtype=rdtype,
                             float_values=False, implementation=config.implementation,
                             x_shape=lshape, out_dtype=bar_dtype(lres, ldtype))
-    rhs_bar = _backward_dot(g_rt, y_r, dims_rt, perm_r, g_dtype=g.dtype, y_dtype=ldtype,
+    # (x_r, g_rt): the residual first (see _grad_pair); the product's dtypes are symmetric.
+    rhs_bar = _backward_dot(x_r, g_rt, dims_xg, perm_xg, g_dtype=g.dtype, y_dtype=ldtype,
                             float_values=False, implementation=config.implementation,
                             x_shape=rshape, out_dtype=bar_dtype(rres, rdtype))
   lhs_bar, ls_bar = finish_operand_grad(lhs_bar, lres, config.lhs, ldtype)
