@@ -2,7 +2,11 @@
 
   python3 docs/check_links.py [REPO_ROOT]
 
-Anchors are GitHub's heading slugs plus explicit <a id="..."> tags. Exits 1 on a broken link.
+Anchors are GitHub's heading slugs plus explicit <a id="..."> tags. A figure linked to a row of
+benchmarks/RESULTS.md (``[1.64x](...RESULTS.md#row)``, ``[25.03 ms](...)``, ``[0.93x](...)``)
+must appear in that row: the table is rebuilt from each case's latest run, and a figure quoted
+from an earlier run goes stale unnoticed. (A figure of the past links to the performance
+history instead.) Exits 1 on a broken link or a stale figure.
 """
 import glob, os, re, sys
 from urllib.parse import unquote
@@ -29,6 +33,20 @@ def anchors(path):
   out |= set(re.findall(r'<a (?:id|name)="([^"]+)"', text))
   return out
 
+def result_rows(path):
+  """RESULTS.md's table rows by their <a id> anchor."""
+  rows = {}
+  for line in open(path).read().splitlines():
+    m = re.match(r'\| <a id="([^"]+)"></a>', line)
+    if m:
+      rows[m.group(1)] = line
+  return rows
+
+RESULTS = os.path.join(ROOT, "benchmarks", "RESULTS.md")
+rows = result_rows(RESULTS) if os.path.exists(RESULTS) else {}
+# A link whose text is a figure (a ratio, a time, a percentage, a plain number).
+FIGURE = re.compile(r"\[([0-9][0-9.,]*(?:x| ms| µs| s| GiB|%)?)\]\(([^)\s]*RESULTS\.md)#([\w-]+)\)")
+
 bad = 0
 for f in files:
   text = strip_code(open(f).read())
@@ -42,5 +60,16 @@ for f in files:
       print(f"{os.path.relpath(f, ROOT)}: missing {target}"); bad += 1; continue
     if frag and dest.endswith(".md") and frag not in anchors(dest):
       print(f"{os.path.relpath(f, ROOT)}: no anchor #{frag} in {os.path.relpath(dest, ROOT)}"); bad += 1
-print(f"{len(files)} files, {bad} broken links")
+  for m in FIGURE.finditer(text):
+    value, path, frag = m.groups()
+    dest = os.path.normpath(os.path.join(os.path.dirname(f), unquote(path)))
+    if dest != os.path.normpath(RESULTS) or frag not in rows:
+      continue  # a missing row is reported above
+    number = re.match(r"[0-9][0-9.,]*", value).group(0)
+    cells = [c.strip() for c in rows[frag].split("|")]
+    if not any(c == number or c.startswith(number + " ") or c == value
+               or re.match(re.escape(number) + r"[x%]?$", c) for c in cells):
+      print(f"{os.path.relpath(f, ROOT)}: {value} is not in RESULTS.md's row #{frag}")
+      bad += 1
+print(f"{len(files)} files, {bad} broken links or stale figures")
 sys.exit(1 if bad else 0)

@@ -90,3 +90,34 @@ def test_qtrain_names_in_a_docs_code_block_exist(where, line, code):
     except (ImportError, AttributeError) as e:
       missing.append(f"{dotted} ({type(e).__name__}: {e})")
   assert not missing, f"{where}, block at line {line}: {missing}"
+
+
+# ----------------------------------------------------------------------------
+# Links, and the figures linked to benchmarks/RESULTS.md rows.
+
+
+def test_links_resolve_and_linked_figures_are_in_their_rows(tmp_path):
+  """docs/check_links.py passes on the repository: every relative link and #anchor resolves,
+  and every figure linked to a RESULTS.md row (``[1.64x](...RESULTS.md#row)``) is in that row
+  (the table keeps each case's latest run; a figure quoted from an earlier one goes stale)."""
+  import subprocess
+  import sys
+  run = lambda root: subprocess.run([sys.executable, str(ROOT / "docs" / "check_links.py"),
+                                     str(root)], capture_output=True, text=True)
+  out = run(ROOT)
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert "0 broken links or stale figures" in out.stdout
+  # The check itself: a copy of the docs with one figure changed is refused, naming it (the
+  # copy's other links to code and records do not resolve; only this message is asserted).
+  import shutil
+  for name in ("README.md", "docs", "benchmarks/RESULTS.md"):
+    src = ROOT / name
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
+  readme = (tmp_path / "README.md").read_text()
+  m = re.search(r"\[([0-9]+\.[0-9]+)x\]\(benchmarks/RESULTS\.md#([\w-]+)\)", readme)
+  assert m, "README.md links no ratio to a RESULTS.md row"
+  stale = f"{float(m.group(1)) + 7.77:.2f}x"
+  (tmp_path / "README.md").write_text(readme.replace(m.group(0), f"[{stale}](benchmarks/RESULTS.md#{m.group(2)})", 1))
+  out = run(tmp_path)
+  assert out.returncode == 1 and f"{stale} is not in RESULTS.md's row #{m.group(2)}" in out.stdout, out.stdout
