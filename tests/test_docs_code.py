@@ -13,6 +13,9 @@ import ast
 import importlib
 import pathlib
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -100,8 +103,6 @@ def test_links_resolve_and_linked_figures_are_in_their_rows(tmp_path):
   """docs/check_links.py passes on the repository: every relative link and #anchor resolves,
   and every figure linked to a RESULTS.md row (``[1.64x](...RESULTS.md#row)``) is in that row
   (the table keeps each case's latest run; a figure quoted from an earlier one goes stale)."""
-  import subprocess
-  import sys
   run = lambda root: subprocess.run([sys.executable, str(ROOT / "docs" / "check_links.py"),
                                      str(root)], capture_output=True, text=True)
   out = run(ROOT)
@@ -109,7 +110,6 @@ def test_links_resolve_and_linked_figures_are_in_their_rows(tmp_path):
   assert "0 broken links or stale figures" in out.stdout
   # The check itself: a copy of the docs with one figure changed is refused, naming it (the
   # copy's other links to code and records do not resolve; only this message is asserted).
-  import shutil
   for name in ("README.md", "docs", "benchmarks/RESULTS.md"):
     src = ROOT / name
     (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -118,6 +118,7 @@ def test_links_resolve_and_linked_figures_are_in_their_rows(tmp_path):
   m = re.search(r"\[([0-9]+\.[0-9]+)x\]\(benchmarks/RESULTS\.md#([\w-]+)\)", readme)
   assert m, "README.md links no ratio to a RESULTS.md row"
   stale = f"{float(m.group(1)) + 7.77:.2f}x"
-  (tmp_path / "README.md").write_text(readme.replace(m.group(0), f"[{stale}](benchmarks/RESULTS.md#{m.group(2)})", 1))
+  link = f"[{stale}](benchmarks/RESULTS.md#{m.group(2)})"
+  (tmp_path / "README.md").write_text(readme.replace(m.group(0), link, 1))
   out = run(tmp_path)
   assert out.returncode == 1 and f"{stale} is not in RESULTS.md's row #{m.group(2)}" in out.stdout, out.stdout
