@@ -8,7 +8,7 @@ must appear in that row: the table is rebuilt from each case's latest run, and a
 from an earlier run goes stale unnoticed. (A figure of the past links to the performance
 history instead.) Exits 1 on a broken link or a stale figure.
 """
-import glob, os, re, sys
+import functools, glob, os, re, sys
 from urllib.parse import unquote
 
 ROOT = sys.argv[1] if len(sys.argv) > 1 else "."
@@ -19,6 +19,7 @@ def strip_code(text):
   text = re.sub(r"```.*?```", "", text, flags=re.S)
   return re.sub(r"`[^`\n]*`", "", text)
 
+@functools.lru_cache(maxsize=None)  # one parse per file, not per link
 def anchors(path):
   text = open(path).read()
   out, seen = set(), {}
@@ -65,10 +66,10 @@ for f in files:
     dest = os.path.normpath(os.path.join(os.path.dirname(f), unquote(path)))
     if dest != os.path.normpath(RESULTS) or frag not in rows:
       continue  # a missing row is reported above
-    number = re.match(r"[0-9][0-9.,]*", value).group(0)
-    cells = [c.strip() for c in rows[frag].split("|")]
-    if not any(c == number or c.startswith(number + " ") or c == value
-               or re.match(re.escape(number) + r"[x%]?$", c) for c in cells):
+    # A cell holding the figure: the number, its "x" or "%", then the cell's end or a space
+    # (a loss cell goes on with "± ..."). The table's times carry no unit.
+    cell = re.compile(re.escape(re.match(r"[0-9][0-9.,]*", value).group(0)) + r"[x%]?(\s|$)")
+    if not any(cell.match(c.strip()) for c in rows[frag].split("|")):
       print(f"{os.path.relpath(f, ROOT)}: {value} is not in RESULTS.md's row #{frag}")
       bad += 1
 print(f"{len(files)} files, {bad} broken links or stale figures")

@@ -1,4 +1,5 @@
-"""The qtrain names that the docs' code blocks use exist.
+"""The docs hold: the qtrain names their code blocks use exist, their links resolve, and the
+figures they link to benchmarks/RESULTS.md are in the rows linked.
 
 Each ```python block of README.md and docs/*.md is parsed (not run: most continue a user's own
 model). Every name bound from qtrain by an import (``import qtrain``, ``import qtrain.ops as
